@@ -1,0 +1,63 @@
+# med-ddpm-bench: `make help` lists the targets.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_CPU := torch==2.13.0
+DEMO_DIR ?= outputs/demo
+SWEEP_DIR ?= results/bench
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH (set PY=python3.x)"; exit 1; }
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@# CPU machines get the pinned CPU wheel; a loose pin would pull a multi-GB CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q torch; else $(BIN)/pip install -q $(TORCH_CPU); fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) + the project (editable, dev extras)
+
+test: $(STAMP) ## run the fast CPU test suite (gpu/slow deselected); fails if no test runs
+	$(BIN)/python -m pytest -q
+
+test-gpu: $(STAMP) ## run the GPU-marked tests (on a CUDA machine)
+	$(BIN)/python -m pytest -q -m gpu
+
+test-slow: $(STAMP) ## run the slow tests
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP) ## ruff check
+	$(BIN)/ruff check med_ddpm optim bench tests
+
+demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report
+	$(BIN)/python -m med_ddpm.train experiment=smoke output_dir=$(DEMO_DIR)/train
+	$(BIN)/python -m med_ddpm.sample experiment=smoke checkpoint=$(DEMO_DIR)/train/checkpoints/last.pt output_dir=$(DEMO_DIR)/samples
+	$(MAKE) --no-print-directory bench-smoke SWEEP_DIR=$(DEMO_DIR)/bench
+	@echo "demo outputs: $(DEMO_DIR)/samples (NIfTI + PNG), $(DEMO_DIR)/bench/report.md"
+
+bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute), then its report
+	$(BIN)/python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[channels_last_3d],[amp_bf16]' hydra.sweep.dir=$(SWEEP_DIR)
+	$(BIN)/python -m bench.report $(SWEEP_DIR)
+	@cat $(SWEEP_DIR)/report.md
+
+bench: $(STAMP) ## the standard GPU ladder (whole-head 128^3: train_step, denoise_step, full_sample; all recipes)
+	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR)
+	$(BIN)/python -m bench.report $(SWEEP_DIR)
+
+profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step)
+	$(BIN)/python -m bench.profile 'recipe=$(or $(RECIPE),[])' bench=$(or $(BENCH),train_step)
+
+report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=...)
+	$(BIN)/python -m bench.report $(SWEEP_DIR)
+
+clean: ## remove outputs (keeps .venv)
+	rm -rf outputs multirun results .pytest_cache
+
+.PHONY: help install test test-gpu test-slow lint demo bench-smoke bench profile report clean

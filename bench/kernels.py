@@ -1,0 +1,136 @@
+"""Attribute GPU time to kernel categories by name, and spot Tensor-Core kernels.
+
+Profilers report kernels by (mangled or demangled) name only, so the breakdown is a list of
+ordered regular expressions; the first that matches wins. Order matters: cuDNN's implicit-GEMM
+convolutions contain "gemm" and must be caught as convolution before the GEMM rule, layout
+transposes before generic copies, and a direct copy inside ``elementwise_kernel`` is a copy.
+On CPU the same rules classify ``aten::`` operator names (``aten::convolution``, ...).
+
+Tensor-Core heuristic (documented guess, not a hardware counter; use ``ncu`` for that):
+a convolution or GEMM/attention kernel counts as Tensor-Core when its name carries an MMA
+instruction family (``hmma``, ``wgmma``/``gmma``, ``imma``, CUTLASS ``tensorop``, the shape tags
+``h884/h1688/h16816/s1688/s16816``), a flash/fused-MHA kernel, or a reduced-precision operand type
+(``tf32``, ``bf16``, ``f16``/``fp16``/``half``). cuDNN ``xmma`` kernels appear in both FFMA and MMA
+builds, so they count only with such a type tag (``..._f32f32_f32f32_...`` is plain FP32 FFMA);
+``sgemm`` without ``tensorop`` is SIMT. Inductor/Triton templates (``triton_tem_*``, ``triton_mm``)
+carry no type in their names and are not counted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("layout conversion", r"nchwToNhwc|nhwcToNchw|ncdhw|ndhwc|transpose|permute|convert_?layout|channels_?last"),
+    ("normalisation", r"(group|batch|layer|instance|rms)_?norm|GroupNorm|welford|RowwiseMoments|"
+                      r"ComputeFusedParams|Compute1dBackwardFusedParams|GammaBetaBackward|ComputeInternalGradients"),
+    ("convolution", r"conv|fprop|dgrad|wgrad|implicit_gemm|winograd|vol2col|im2col|col2vol|fft\d*d?_"),
+    ("up/down-sampling", r"upsample|interpolate|trilinear|nearest|pool|grid_sampl"),
+    ("GEMM and attention", r"gemm|gemv|matmul|\bmm\b|aten::mm|bmm|addmm|cublas|flash|fmha|attention|softmax|"
+                           r"scaled_dot_product"),
+    ("memory copies", r"memcpy|memset|direct_copy|copy_kernel|aten::copy_|CatArrayBatchedCopy|aten::cat|to_copy"),
+    ("elementwise / activation", r"elementwise|vectorized|silu|gelu|relu|sigmoid|tanh|triton_(poi|per|red)|"
+                                 r"reduce_kernel|multi_tensor_apply|adam|fill|aten::(add|mul|sub|div|where|clamp|"
+                                 r"exp|sum|mean|abs|neg|rsub|pow|sqrt)"),
+)
+OTHER = "other"
+CATEGORY_NAMES = tuple(c for c, _ in CATEGORIES) + (OTHER,)
+_RULES = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in CATEGORIES]
+TENSOR_CORE = re.compile(r"hmma|wgmma|gmma|imma|tensorop|h884|h1688|h16816|s1688|s16816|flash|fmha|"
+                         r"tf32|bf16|f16|fp16|half", re.IGNORECASE)
+MATH_CATEGORIES = ("convolution", "GEMM and attention")
+
+
+def categorise(name: str) -> str:
+    """Category of one kernel (or CPU operator) name."""
+    for category, rule in _RULES:
+        if rule.search(name):
+            return category
+    return OTHER
+
+
+def is_tensor_core(name: str) -> bool:
+    """Heuristic from the module docstring: an MMA-family conv/GEMM/attention kernel."""
+    return categorise(name) in MATH_CATEGORIES and bool(TENSOR_CORE.search(name))
+
+
+def breakdown(times_us: Mapping[str, float]) -> dict[str, float]:
+    """Total time per category (same unit as the input), every category present."""
+    out: dict[str, float] = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for name, t in times_us.items():
+        out[categorise(name)] += t
+    return out
+
+
+def tensor_core_share(times_us: Mapping[str, float]) -> float:
+    """Fraction of all kernel time spent in Tensor-Core kernels (0 when nothing ran)."""
+    total = sum(times_us.values())
+    return sum(t for n, t in times_us.items() if is_tensor_core(n)) / total if total else 0.0
+
+
+def top_kernels(times_us: Mapping[str, float], counts: Mapping[str, int], k: int = 20) -> list[dict]:
+    """The ``k`` most expensive kernels with their category, share and call count."""
+    total = sum(times_us.values()) or 1.0
+    ranked = sorted(times_us.items(), key=lambda kv: -kv[1])[:k]
+    return [{"name": n, "time_us": t, "share": t / total, "calls": int(counts.get(n, 0)),
+             "category": categorise(n), "tensor_core": is_tensor_core(n)} for n, t in ranked]
+
+
+def short_name(name: str, width: int = 90) -> str:
+    """Kernel names are C++ templates hundreds of characters long: keep the head."""
+    name = re.sub(r"\s+", " ", name)
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def markdown(profiles: list[dict]) -> str:
+    """Category table (ms per step, one column per stack) and each stack's top kernels."""
+    lines = ["# Kernel-level breakdown", "",
+             "GPU (or, on CPU, operator self) time per step by kernel category; Tensor-Core share is a "
+             "name heuristic (see bench/kernels.py).", ""]
+    stacks = [p["label"] for p in profiles]
+    lines += ["| category | " + " | ".join(stacks) + " |", "|---|" + "---|" * len(stacks)]
+    for cat in CATEGORY_NAMES:
+        lines.append(f"| {cat} | " + " | ".join(f"{p['categories_ms'][cat]:.3f}" for p in profiles) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{p['total_ms']:.3f}**" for p in profiles) + " |")
+    lines.append("| Tensor-Core share | " + " | ".join(f"{p['tensor_core_share']:.1%}" for p in profiles) + " |")
+    for p in profiles:
+        lines += ["", f"## Top kernels: {p['label']} ({p['scenario']}, {p['activity']})", "",
+                  "| # | kernel | category | TC | calls | ms/step | share |", "|---|---|---|---|---|---|---|"]
+        for i, k in enumerate(p["top"], start=1):
+            name = short_name(k["name"]).replace("|", "\\|")
+            lines.append(f"| {i} | `{name}` | {k['category']} | {'y' if k['tensor_core'] else ''} | "
+                         f"{k['calls']} | {k['time_us'] / 1e3 / p['steps']:.3f} | {k['share']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def stacked_bar_png(profiles: list[dict], path) -> None:
+    """One stacked bar per recipe stack: ms per step split by category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(profiles) + 3), 5))
+    bottoms = [0.0] * len(profiles)
+    for cat in CATEGORY_NAMES:
+        heights = [p["categories_ms"][cat] for p in profiles]
+        ax.bar(range(len(profiles)), heights, bottom=bottoms, label=cat)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(profiles)), [p["label"] for p in profiles], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def aggregate(events: list[tuple[str, float]]) -> tuple[dict[str, float], dict[str, int]]:
+    """(name, duration) pairs -> total time and call count per name."""
+    times: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for name, t in events:
+        times[name] += t
+        counts[name] += 1
+    return dict(times), dict(counts)

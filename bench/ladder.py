@@ -1,0 +1,168 @@
+"""The standard benchmark ladder (``make bench``): a fixed, ordered list of jobs into one results.jsonl.
+
+Example:
+    python -m bench.ladder out=results/h200                       # whole-head 128^3 ladder
+    python -m bench.ladder out=results/h200 budget_s=540          # stop starting jobs after 9 min
+    python -m bench.ladder out=results/h200 best=amp_bf16,compile # choose the "best stack" rows
+    python -m bench.ladder out=results/smoke preset=smoke         # tiny CPU ladder
+    python -m bench.ladder out=results/h200 dry_run=true          # list the jobs and their status
+
+Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
+than one 10-minute device command is finished by running the same command again. The time
+budget stops *starting* jobs once spent; a job cut by the budget leaves no row (it reruns next
+time) unless it had the whole budget to itself, in which case it is recorded as a timeout so
+the ladder moves on. Jobs run in importance order: batch-1 steps for every recipe first, then
+sampling, throughput vs batch size, BraTS memory, fast samplers.
+
+Each job is composed from ``configs/bench.yaml`` with Hydra's compose API and measured by the
+same subprocess worker as ``bench.sweep``; the strict-FP32 baseline of every workload is in
+the ladder (and :class:`bench.sweep.EnsureBaseline` adds any that a cut run missed).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+
+from bench.records import RESULTS_FILE, append_row, job_key, read_rows
+from bench.sweep import EnsureBaseline, job_spec, log_row
+from bench.worker import TIMEOUT_PREFIX, base_row, run_job
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_MODEL = "medddpm_whole_head"
+DEFAULT_BEST = ("amp_bf16", "fused_groupnorm", "sdpa_attention", "cudnn_benchmark", "compile")
+# Each single recipe, then the combinations the seed study and issue 8 ask about.
+RECIPE_SETS: tuple[tuple[str, ...], ...] = (
+    (), ("tf32",), ("channels_last_3d",), ("tf32", "channels_last_3d"), ("cudnn_benchmark",),
+    ("amp_bf16",), ("amp_bf16", "channels_last_3d"), ("amp_fp16",), ("amp_bf16", "sdpa_attention"),
+    ("amp_bf16", "fused_groupnorm"), ("amp_bf16", "fused_groupnorm", "channels_last_3d"),
+    ("amp_bf16", "compile"), ("tf32", "compile"), ("amp_bf16", "cuda_graphs"),
+)
+BATCHES = (2, 4, 8)
+FAST_SAMPLER_STEPS = (10, 25, 50)
+Job = list[str]  # Hydra overrides
+
+
+def _recipe(stack: tuple[str, ...]) -> str:
+    return f"recipe=[{','.join(stack)}]"
+
+
+def _unique(stacks: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    return list(dict.fromkeys(stacks))
+
+
+def gpu_ladder(best: tuple[str, ...]) -> Iterator[Job]:
+    """whole-head 128^3 (and a BraTS memory check), in importance order."""
+    sets = _unique([*RECIPE_SETS, best])
+    for scenario in ("denoise_step", "train_step"):
+        for stack in sets:
+            yield [f"bench={scenario}", _recipe(stack)]
+    for stack in _unique([(), ("tf32",), ("amp_bf16",), best]):
+        yield ["bench=full_sample", "sampler=ddpm", _recipe(stack), "bench.iters=3"]
+    for scenario in ("train_step", "denoise_step"):
+        for batch in BATCHES:
+            for stack in _unique([(), ("amp_bf16",), best]):
+                yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
+    brats_sets = [(), ("amp_bf16", "checkpointing"), (*best, "checkpointing"), best]
+    for stack in _unique(brats_sets):
+        yield ["model=medddpm_brats", "bench=train_step", _recipe(stack)]
+    for sampler in ("ddim", "dpm_solver_pp", "deis"):
+        if (CONFIG_DIR / "sampler" / f"{sampler}.yaml").exists():
+            for steps in FAST_SAMPLER_STEPS:
+                for stack in _unique([(), best]):
+                    yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", _recipe(stack)]
+
+
+def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
+    """The same shape on the tiny CPU model: every scenario, two stacks, two batch sizes."""
+    for scenario in ("train_step", "denoise_step"):
+        for stack in _unique([(), best]):
+            for batch in (1, 2):
+                yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
+
+
+PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "smoke": smoke_ladder}
+
+
+def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:
+    """Compose one ladder entry into a worker job (the same config ``bench.sweep`` would build)."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=[*overrides, f"output_dir={job_dir}"])
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+    if model is None:
+        model = "tiny" if "experiment=bench_smoke" in overrides else DEFAULT_MODEL
+    return job_spec(cfg, model)
+
+
+def missing_recipes(overrides: Job) -> list[str]:
+    """Recipe names of a job that have no ``configs/recipe/<name>.yaml`` (the job is skipped)."""
+    stack = next((o for o in overrides if o.startswith("recipe=")), "recipe=[]")
+    names = [n for n in stack.removeprefix("recipe=[").removesuffix("]").split(",") if n]
+    return [n for n in names if not (CONFIG_DIR / "recipe" / f"{n}.yaml").exists()]
+
+
+def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False) -> int:
+    """Run the jobs not yet in ``out/results.jsonl`` until the budget is spent; return jobs left."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = {job_key(r) for r in read_rows(out)} if (out / RESULTS_FILE).exists() else set()
+    start, left = time.monotonic(), 0
+    for n, overrides in enumerate(jobs):
+        if missing := missing_recipes(overrides):
+            print(f"[skip] {' '.join(overrides)}: no recipe config for {missing}")
+            continue
+        job_dir = out / "jobs" / f"{n:03d}"
+        job = compose_job(overrides, job_dir)
+        if job_key(base_row(job)) in done:
+            continue
+        remaining = budget_s - (time.monotonic() - start)
+        if dry_run or remaining <= 0:
+            left += 1
+            print(f"[todo] {' '.join(overrides)}")
+            continue
+        full = float(job["config"]["bench"]["timeout_s"])
+        timeout = min(full, remaining)
+        row = run_job(job, job_dir, timeout)
+        if row["message"].startswith(TIMEOUT_PREFIX) and timeout < min(full, 0.9 * budget_s):
+            left += 1  # cut by this run's budget, not by its own limit: no row, rerun measures it
+            print(f"[cut] {' '.join(overrides)}: the time budget ran out; rerun to measure it")
+            continue
+        append_row(out / RESULTS_FILE, row)
+        log_row(row)
+    if not dry_run and budget_s - (time.monotonic() - start) > 0:
+        EnsureBaseline.complete(out)
+    print(f"ladder: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
+    return left
+
+
+def parse_args(argv: list[str]) -> dict[str, str]:
+    """``key=value`` arguments (Hydra-style, without Hydra: the ladder composes each job itself)."""
+    args = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run"):
+            raise SystemExit(f"bench.ladder: bad argument {arg!r}; expected out=DIR [preset=gpu|h200|smoke] "
+                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true]")
+        args[key] = value
+    if "out" not in args:
+        raise SystemExit("bench.ladder: out=DIR is required")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    preset = args.get("preset", "gpu")
+    if preset not in PRESETS:
+        raise SystemExit(f"bench.ladder: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    best = tuple(n for n in args.get("best", ",".join(DEFAULT_BEST)).split(",") if n)
+    jobs = list(PRESETS[preset](best))
+    run_ladder(Path(args["out"]), jobs, float(args.get("budget_s", "inf")), args.get("dry_run") == "true")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,169 @@
+"""Kernel-level runtime breakdown of one scenario under one recipe stack (``make profile``).
+
+Example:
+    python -m bench.profile 'recipe=[amp_bf16]' bench=train_step
+    python -m bench.profile -m 'recipe=[],[tf32],[amp_bf16]' bench=denoise_step   # one bar per stack
+    python -m bench.profile 'recipe=[amp_bf16]' profile.ncu=true                  # + Nsight Compute
+
+Runs the real step (:func:`bench.scenarios.prepared_step`) for ``profile.warmup`` untimed and
+``profile.steps`` profiled calls under ``torch.profiler`` and attributes the time to kernel
+categories (:mod:`bench.kernels`): on CUDA the GPU time of every kernel and memcpy/memset, on
+CPU each operator's self time. Writes into ``profile.out`` (default: the Hydra output dir, or
+the sweep dir in multirun): ``<label>.json`` per stack, then ``profile.md`` and
+``profile_breakdown.png`` rebuilt from every JSON there, so a multirun gets one table and one
+stacked bar per stack. Profiling runs in this process (multirun jobs share it; the stacks'
+sessions restore their flags and compile caches): use ``bench.sweep`` for timings of record.
+
+``profile.ncu=true`` re-runs the job under ``ncu --clock-control none`` (one warm-up and one
+profiled call, the top kernels only) and adds IPC, tensor-pipe utilisation, achieved occupancy,
+DRAM throughput and an instruction-pipe mix per kernel, parsed from ncu's CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from bench import kernels
+from bench.scenarios import prepared_step
+from bench.sweep import job_spec, sweep_dir_of
+from bench.timing import synchronize
+from med_ddpm.utils import atomic_write_text, resolve_device
+
+NCU = "/usr/local/cuda/bin/ncu"
+
+
+def _events(prof: torch.profiler.profile, device: torch.device) -> list[tuple[str, float]]:
+    """(name, µs) of every GPU kernel/memcpy on CUDA; of every operator's self CPU time on CPU."""
+    if device.type == "cuda":
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+
+
+def profile_step(cfg: dict[str, Any], device: torch.device) -> list[tuple[str, float]]:
+    """Warm up, then record ``profile.steps`` calls of the scenario's step."""
+    p = cfg["profile"]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with prepared_step(cfg, device) as (step, _stack):
+        for _ in range(int(p["warmup"])):
+            step()
+        synchronize(device)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(int(p["steps"])):
+                step()
+            synchronize(device)
+    return _events(prof, device)
+
+
+def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], device: torch.device) -> dict:
+    """The JSON record of one profiled stack: per-category ms/step, top kernels, Tensor-Core share."""
+    steps = int(cfg["profile"]["steps"])
+    times, counts = kernels.aggregate(events)
+    return {
+        "label": label, "scenario": cfg["bench"]["scenario"], "batch_size": cfg["bench"]["batch_size"],
+        "activity": "GPU kernels" if device.type == "cuda" else "CPU operator self time",
+        "steps": steps,
+        "categories_ms": {k: v / 1e3 / steps for k, v in kernels.breakdown(times).items()},
+        "total_ms": sum(times.values()) / 1e3 / steps,
+        "tensor_core_share": kernels.tensor_core_share(times),
+        "top": kernels.top_kernels(times, counts, int(cfg["profile"]["top"])),
+    }
+
+
+def write_outputs(out: Path, record: dict) -> Path:
+    """Write ``<label>.json`` and rebuild profile.md + profile_breakdown.png from all JSONs in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}")
+    atomic_write_text(out / f"{slug}.json", json.dumps(record, indent=1))
+    profiles = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    profiles = [p for p in profiles if "categories_ms" in p]
+    kernels.stacked_bar_png(profiles, out / "profile_breakdown.png")
+    text = kernels.markdown(profiles) + "".join(ncu_markdown(p) for p in profiles if p.get("ncu"))
+    return atomic_write_text(out / "profile.md", text + "\n![breakdown](profile_breakdown.png)\n")
+
+
+# ---------------------------------------------------------------------------- Nsight Compute
+def parse_ncu_csv(text: str) -> list[dict[str, str]]:
+    """Rows of ``ncu --csv --page raw`` (a header row, a units row, then one row per kernel launch)."""
+    start = text.find('"ID"')
+    if start < 0:
+        raise ValueError("ncu output has no CSV table (look at the ncu log for the reason)")
+    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    return [r for r in rows if r.get("ID", "").strip().isdigit()]
+
+
+def ncu_kernel_regex(top: list[dict], k: int) -> str:
+    """An ncu ``--kernel-name regex:`` matching the first identifier of the top ``k`` kernels."""
+    heads = []
+    for kern in top[:k]:
+        m = re.search(r"[A-Za-z_][A-Za-z0-9_]*", kern["name"].split("<")[0].split("(")[0].split("::")[-1])
+        if m and m.group(0) not in heads:
+            heads.append(re.escape(m.group(0)))
+    return "|".join(heads) or ".*"
+
+
+def run_ncu(cfg: dict[str, Any], record: dict, out: Path) -> list[dict[str, str]]:
+    """Profile the top kernels under ncu in a short subprocess run of the same job."""
+    p = cfg["profile"]
+    job = json.loads(json.dumps({"config": cfg, "model": record["label"], "recipes": []}))
+    job["config"]["bench"].update(warmup=1, iters=1, quality=False)
+    job_path = out / f"ncu_job_{record['label']}.json"
+    atomic_write_text(job_path, json.dumps(job))
+    cmd = [shutil.which("ncu") or NCU, "--clock-control", "none", "--target-processes", "all", "--csv",
+           "--page", "raw", "--metrics", ",".join(p["ncu_metrics"]),
+           "--kernel-name", f"regex:{ncu_kernel_regex(record['top'], int(p['ncu_kernels']))}",
+           "--launch-count", str(int(p["ncu_launches"])),
+           sys.executable, "-m", "bench.worker", str(job_path), str(out / f"ncu_row_{record['label']}.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=int(p["ncu_timeout_s"]))
+    (out / f"ncu_{record['label']}.log").write_text(proc.stdout + proc.stderr)
+    return parse_ncu_csv(proc.stdout)
+
+
+def ncu_markdown(record: dict) -> str:
+    rows = record["ncu"]
+    if isinstance(rows, str):
+        return f"\n## Nsight Compute: {record['label']}\n\n{rows}\n"
+    metrics = [k for k in rows[0] if k not in ("ID", "Kernel Name")] if rows else []
+    metrics = [m for m in metrics if "__" in m]
+    lines = ["", f"## Nsight Compute: {record['label']}", "",
+             "| kernel | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for r in rows:
+        name = kernels.short_name(r.get("Kernel Name", ""), 60).replace("|", "\\|")
+        lines.append(f"| `{name}` | " + " | ".join(r.get(m, "") for m in metrics) + " |")
+    return "\n".join(lines) + "\n"
+
+
+@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
+    config = job["config"]
+    device = resolve_device(config["device"])
+    label = "+".join(job["recipes"]) or "fp32"
+    out = Path(config["profile"]["out"] or sweep_dir_of(hc))
+    record = summarise(profile_step(config, device), label, config, device)
+    if config["profile"]["ncu"]:
+        try:
+            record["ncu"] = run_ncu(config, record, out)
+        except (OSError, ValueError, subprocess.SubprocessError) as err:
+            record["ncu"] = f"ncu failed: {type(err).__name__}: {err}"
+    print(write_outputs(out, record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Turn a sweep's results.jsonl into report.md, report.csv and PNGs.
+
+Example:
+    python -m bench.report results/bench/2026-01-01_12-00-00
+    python -m bench.report results/h200 --wandb            # also a W&B Table + the PNGs
+
+One row per job. Speed-up and memory are against the strict-FP32 row (``recipes == []``) of
+the same workload (scenario, model, size, batch, sampler, steps) in the same sweep; a workload
+without one gets no speed-up rather than a made-up one. Failed jobs (oom, nan, unsupported,
+error) stay in the table with their status and message. PNGs: speed-up per stack, speed-up
+vs the quality gate's number with the Pareto front marked (when the gate ran), and throughput
+vs batch size (when the sweep has several batch sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.records import baseline_key, is_baseline, read_rows
+from med_ddpm.utils import atomic_write_text
+
+COLUMNS = ("scenario", "model", "batch_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
+           "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s", "tflops",
+           "peak_fraction", "precision", "compile_s", "quality", "quality_value", "message")
+QUALITY_METRIC = "x0_nrmse"  # gate number on the x-axis of the Pareto plot (lower is better)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _quality_value(row: dict[str, Any], metric: str) -> float | None:
+    value = ((row.get("quality") or {}).get("metrics") or {}).get(metric)
+    return float(value) if value is not None else None
+
+
+def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> list[dict[str, Any]]:
+    """Rows of the report table: each job with its speed-up and memory vs its workload's baseline."""
+    baselines: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if is_baseline(row) and row.get("status") == "ok":
+            baselines.setdefault(baseline_key(row), row)
+    out = []
+    for row in rows:
+        base = baselines.get(baseline_key(row))
+        ok = row.get("status") == "ok"
+        out.append({
+            **{k: row.get(k) for k in COLUMNS},
+            "recipes": "+".join(row.get("recipes") or []) or "[] (fp32)",
+            "speedup": _ratio(base["ms_median"], row.get("ms_median")) if base and ok else None,
+            "mem_vs_baseline": _ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib")) if base and ok else None,
+            "quality": (row.get("quality") or {}).get("verdict"),
+            "quality_value": _quality_value(row, metric),
+            "message": "" if ok else (row.get("message") or "").splitlines()[0][:120] if row.get("message") else "",
+            "has_baseline": base is not None,
+        })
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value).replace("|", "\\|")
+
+
+def to_csv(table: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "has_baseline"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(table)
+    return buf.getvalue()
+
+
+def env_summary(rows: list[dict[str, Any]]) -> str:
+    env = next((r["env"] for r in rows if r.get("env")), None) or {}
+    keys = ("gpu", "compute_capability", "driver", "cuda", "cudnn", "torch", "monai", "git_sha", "hostname")
+    return ", ".join(f"{k} {env[k]}" for k in keys if env.get(k) is not None) or "unknown environment"
+
+
+def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """One table per workload, baseline first, then by speed-up."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in table:
+        groups[baseline_key(r)].append(r)
+    shown = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speedup", "peak_mem_gib",
+             "mem_vs_baseline", "volumes_per_s", "tflops", "peak_fraction", "compile_s", "quality", "message")
+    lines = ["# Benchmark report", "", f"Environment: {env_summary(rows)}.", "",
+             "Speed-up and memory are relative to the strict-FP32 row (`[] (fp32)`) of the same workload "
+             "in this sweep; times are per call in ms (median, p10, p90; IQR as % of the median).", ""]
+    for rs in groups.values():
+        head = rs[0]
+        what = f"{head['scenario']} · {head['model']} · batch {head['batch_size']}"
+        if head.get("sampler"):
+            what += f" · {head['sampler']} {head['steps']} steps"
+        lines += [f"## {what}", ""]
+        if not head["has_baseline"]:
+            lines += ["_No successful strict-FP32 row for this workload: no speed-ups._", ""]
+        rs = sorted(rs, key=lambda r: (r["recipes"] != "[] (fp32)", -(r["speedup"] or 0)))
+        lines += ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+        lines += ["| " + " | ".join(_fmt(r[c]) for c in shown) + " |" for r in rs]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of points (quality distance: lower better, speed-up: higher better) nobody dominates."""
+    front = []
+    for i, (q, s) in enumerate(points):
+        dominated = any(q2 <= q and s2 >= s and (q2 < q or s2 > s) for j, (q2, s2) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return front
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedups(table: list[dict[str, Any]], path: Path) -> Path | None:
+    """Horizontal bars: speed-up of every successful stack, one colour per workload."""
+    rows = [r for r in table if r["speedup"] is not None]
+    if not rows:
+        return None
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.5))
+    labels = [f"{r['scenario']} b{r['batch_size']} {r['recipes']}" for r in rows]
+    ax.barh(range(len(rows)), [r["speedup"] for r in rows], color="tab:blue")
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("speed-up vs strict FP32 (same workload)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_pareto(table: list[dict[str, Any]], path: Path, metric: str = QUALITY_METRIC) -> Path | None:
+    """Speed-up vs the gate's quality distance; the Pareto front is joined and ringed."""
+    rows = [r for r in table if r["speedup"] is not None and r["quality_value"] is not None
+            and math.isfinite(r["quality_value"])]
+    if not rows:
+        return None
+    plt = _figure()
+    points = [(max(r["quality_value"], 1e-12), r["speedup"]) for r in rows]
+    front = sorted(pareto_front(points), key=lambda i: points[i][0])
+    colours = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for (q, s), r in zip(points, rows):
+        ax.scatter(q, s, color=colours.get(r["quality"], "tab:gray"))
+        ax.annotate(r["recipes"], (q, s), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "k--", lw=0.8, label="Pareto front")
+    ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=120, facecolors="none",
+               edgecolors="k")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{metric} vs strict-FP32 reference (lower is better)")
+    ax.set_ylabel("speed-up vs strict FP32")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(table: list[dict[str, Any]], path: Path) -> Path | None:
+    """Volumes/s vs batch size per (scenario, stack), where a sweep has several batch sizes."""
+    series: dict[tuple[str, str, str], dict[int, float]] = defaultdict(dict)
+    for r in table:
+        if r["status"] == "ok" and r["volumes_per_s"]:
+            series[(r["scenario"], r["model"], r["recipes"])][int(r["batch_size"])] = r["volumes_per_s"]
+    series = {k: v for k, v in series.items() if len(v) > 1}
+    if not series:
+        return None
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for (scenario, model, recipes), points in sorted(series.items()):
+        batches = sorted(points)
+        ax.plot(batches, [points[b] for b in batches], marker="o", label=f"{scenario} {model} {recipes}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("volumes / s")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def log_wandb(table: list[dict[str, Any]], images: list[Path], sweep_dir: Path) -> None:
+    """Rows as a W&B Table, PNGs as images (wandb imported only here)."""
+    import wandb
+
+    run = wandb.init(project="med-ddpm-bench", job_type="bench-report", name=sweep_dir.name)
+    columns = [*COLUMNS, "has_baseline"]
+    run.log({"bench/results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in table])})
+    run.log({f"bench/{p.stem}": wandb.Image(str(p)) for p in images})
+    run.finish()
+
+
+def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False) -> Path:
+    """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path."""
+    rows = read_rows(sweep_dir)
+    table = report_rows(rows, metric)
+    images = [p for p in (plot_speedups(table, sweep_dir / "speedup.png"),
+                          plot_pareto(table, sweep_dir / "speedup_vs_quality.png", metric),
+                          plot_throughput(table, sweep_dir / "throughput_vs_batch.png")) if p]
+    markdown = to_markdown(table, rows) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
+    atomic_write_text(sweep_dir / "report.csv", to_csv(table))
+    md = atomic_write_text(sweep_dir / "report.md", markdown)
+    if wandb:
+        log_wandb(table, images, sweep_dir)
+    return md
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="directory holding results.jsonl")
+    parser.add_argument("--metric", default=QUALITY_METRIC, help="quality-gate number for the Pareto plot")
+    parser.add_argument("--wandb", action="store_true", help="also log the table and PNGs to W&B")
+    args = parser.parse_args(argv)
+    print(write_report(args.sweep_dir, args.metric, args.wandb))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""Hydra entry point of the benchmark: one job per override set, one row per job.
+
+Example:
+    python -m bench.sweep -m 'recipe=[],[tf32],[channels_last_3d],[amp_bf16]' bench=train_step
+    python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[amp_bf16]'        # CPU, tiny
+    python -m bench.sweep -m hydra/sweeper=optuna_pareto bench=full_sample bench.quality=true
+
+Every job is measured in a fresh subprocess (:mod:`bench.worker`), so jobs cannot leak global
+state into each other and an OOM/NaN/crash becomes a row, and appended to
+``<sweep_dir>/results.jsonl`` (:mod:`bench.records`).
+
+The strict-FP32 baseline is always in the sweep: the :class:`EnsureBaseline` callback (wired in
+``configs/bench.yaml``) runs, after the last job, a ``recipe=[]`` job for every workload that
+has no baseline row yet, using the workload's stored config. Speed-ups in the report are
+against that row.
+
+The job function returns ``(ms_median, quality objective)`` so the Optuna sweeper
+(``hydra/sweeper=optuna_pareto``) can search the speed/quality Pareto front; a failed job
+returns ``(inf, inf)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from bench.records import RESULTS_FILE, append_row, missing_baselines, read_rows
+from bench.worker import run_job
+
+log = logging.getLogger(__name__)
+
+
+def job_spec(cfg: DictConfig, model_name: str) -> dict[str, Any]:
+    """The resolved, JSON-able job a worker runs (config + the names the row reports)."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    recipes = list((config.get("recipe") or {}).keys())
+    return {"config": config, "model": model_name, "recipes": recipes}
+
+
+def baseline_job(row: dict[str, Any]) -> dict[str, Any]:
+    """The strict-FP32 twin of a row's job: same workload, no recipe, no injected fault."""
+    config = copy.deepcopy(row["config"])
+    config["recipe"] = {}
+    config["bench"]["inject"] = None
+    return {"config": config, "model": row["model"], "recipes": []}
+
+
+def quality_objective(row: dict[str, Any], metric: str) -> float:
+    """Lower-is-better quality number for the Pareto search (inf when unknown or failed)."""
+    quality = row.get("quality") or {}
+    value = (quality.get("metrics") or {}).get(metric)
+    return float(value) if value is not None else math.inf
+
+
+def log_row(row: dict[str, Any]) -> None:
+    ms = row.get("ms_median")
+    log.info("%s %s batch=%s -> %s %s", row["scenario"], row["recipes"] or "[] (fp32 baseline)",
+             row["batch_size"], row["status"], f"{ms:.3f} ms" if ms else row["message"].splitlines()[0])
+
+
+def record(job: dict[str, Any], sweep_dir: Path, job_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one job in a subprocess and append its row to the sweep's results file."""
+    row = run_job(job, job_dir, timeout_s)
+    append_row(sweep_dir / RESULTS_FILE, row)
+    log_row(row)
+    return row
+
+
+class EnsureBaseline(Callback):
+    """After a multirun, measure the strict-FP32 baseline of every workload that lacks one."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self.complete(Path(config.hydra.sweep.dir))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self.complete(Path(config.hydra.runtime.output_dir))
+
+    @staticmethod
+    def complete(sweep_dir: Path) -> None:
+        """Run the missing ``recipe=[]`` jobs of ``sweep_dir`` (also used by the ladder)."""
+        if not (sweep_dir / RESULTS_FILE).exists():
+            return
+        for n, row in enumerate(missing_baselines(read_rows(sweep_dir))):
+            log.info("sweep had no recipe=[] job for %s batch=%s: adding the strict-FP32 baseline",
+                     row["scenario"], row["batch_size"])
+            timeout = float(row["config"]["bench"]["timeout_s"])
+            record(baseline_job(row), sweep_dir, sweep_dir / f"baseline_{n}", timeout)
+
+
+def sweep_dir_of(hydra_cfg: Any) -> Path:
+    """The results directory: the sweep dir in multirun, the run dir for a single job."""
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.sweep.dir)
+    return Path(hydra_cfg.runtime.output_dir)
+
+
+@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> tuple[float, float]:
+    hc = HydraConfig.get()
+    job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
+    row = record(job, sweep_dir_of(hc), Path(hc.runtime.output_dir), float(cfg.bench.timeout_s))
+    if row["status"] != "ok":
+        return math.inf, math.inf
+    return float(row["ms_median"]), quality_objective(row, cfg.bench.objective)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Med-DDPM: mask-conditioned 3-D DDPM."""

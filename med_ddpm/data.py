@@ -1,0 +1,570 @@
+"""NIfTI datasets for Med-DDPM: discovery, up-front validation, MONAI preprocessing, caching.
+
+Two on-disk layouts are supported, as documented in ``../shared/data/README.md`` and
+``../shared/reference/BRATS.md``:
+
+* whole-head: ``<root>/image/<name>.nii.gz`` + ``<root>/mask/<name>.nii.gz`` paired by file name
+  (labels 0 background, 1 brain/head, 2 tumour -> 2 condition channels in {-1, 1});
+* BraTS: one folder per case (``<case>/<case>_{t1,t1ce,t2,flair,seg}.nii.gz``, the official release) or one
+  folder per modality (``t1/<case>_t1.nii.gz`` ..., Med-DDPM's repository), paired by case ID
+  (4 image channels t1, t1ce, t2, flair; Med-DDPM labels 1..4 -> 4 condition channels in {0, 1}).
+
+Every file is read once when a dataset is built, so a truncated download or a label map with a stray label
+fails at start-up with the file's name instead of hours into training. Items are dicts
+``{"image": (C_img, D, H, W) float32 in [-1, 1], "cond": (C_mask, D, H, W) float32, "name": str}`` in the
+original's axis order: model[c, d, h, w] = nifti[w, h, d, c] (spatial axes fully reversed), so original
+Med-DDPM checkpoints see what they were trained on.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+import torch
+from monai.data import CacheDataset, MetaTensor, PersistentDataset
+from monai.data import Dataset as MonaiDataset
+from monai.data.image_reader import NibabelReader
+from monai.transforms import (
+    AsDiscrete,
+    Compose,
+    Lambda,
+    Lambdad,
+    LoadImaged,
+    Resized,
+    ResizeWithPadOrCropd,
+    ScaleIntensityd,
+    Transposed,
+)
+from torch.utils.data import DataLoader, Dataset
+
+from med_ddpm.errors import DataError
+
+INTENSITY_MODES = ("volume_minmax", "medddpm_slice_minmax", "none")
+RESIZE_MODES = ("crop_or_pad", "resample")
+CACHE_MODES = ("none", "memory", "disk")
+BAD_FILE_MODES = ("error", "skip")
+SEG_LABEL_MODES = ("auto", "raw", "medddpm")
+BRATS_LAYOUTS = ("auto", "per_case", "per_modality")
+BRATS_MODALITIES = ("t1", "t1ce", "t2", "flair")  # target channel order of the original
+BRATS_RAW_LABELS = (0, 1, 2, 4)  # BraTS 2021 release: no healthy-brain label, enhancing tumour is 4
+NIFTI_AXES_TO_MODEL = (0, 3, 2, 1)  # (C, i, j, k) -> (C, k, j, i); its own inverse
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a Med-DDPM variant's tensors look like.
+
+    Attributes:
+        name: ``whole_head`` or ``brats``.
+        image_channels: target channels (modalities).
+        labels: label values a preprocessed mask may hold; 0 is background and gets no channel.
+        signed_cond: condition channels in {-1, 1} (whole-head original) instead of {0, 1} (BraTS original).
+    """
+
+    name: str
+    image_channels: int
+    labels: tuple[int, ...]
+    signed_cond: bool
+
+    @property
+    def cond_channels(self) -> int:
+        return len(self.labels) - 1
+
+
+VARIANTS = {
+    "whole_head": Variant("whole_head", 1, (0, 1, 2), signed_cond=True),
+    "brats": Variant("brats", 4, (0, 1, 2, 3, 4), signed_cond=False),
+}
+
+
+def get_variant(name: str) -> Variant:
+    _check_choice("variant", name, tuple(VARIANTS))
+    return VARIANTS[name]
+
+
+def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"data.{key}={value!r} is not one of {list(choices)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Label maps and intensities (pure tensor functions, shared with the synthetic phantoms)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def plain_tensor(x: Any) -> torch.Tensor:
+    """A plain ``torch.Tensor`` (MONAI's MetaTensor metadata dropped: items must collate and pickle cheaply)."""
+    return x.as_tensor() if isinstance(x, MetaTensor) else torch.as_tensor(x)
+
+
+def labels_to_cond(labels: torch.Tensor, variant: Variant) -> torch.Tensor:
+    """One-hot a (1, D, H, W) label map into the variant's condition channels.
+
+    Channel k-1 holds label k; background has no channel. Whole-head channels are mapped by x*2-1 to
+    {-1, 1} as in the original ``dataset.py`` (``full_channel_mask=True``); BraTS channels stay in {0, 1}.
+    """
+    onehot = AsDiscrete(to_onehot=len(variant.labels))(plain_tensor(labels).reshape(1, *labels.shape[-3:]))
+    cond = plain_tensor(onehot)[1:].float()
+    return (cond * 2 - 1 if variant.signed_cond else cond).contiguous()
+
+
+def remap_brats_raw_labels(seg: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
+    """Raw BraTS labels {0, 1, 2, 4} -> Med-DDPM's {0..4} (BRATS.md, ``preprocess_brats_data.py``).
+
+    Enhancing tumour 4 becomes 3, and background voxels inside the head (``t1 > -1`` after scaling to
+    [-1, 1]) become the healthy-brain label 4.
+    """
+    out = seg.clone()
+    out[seg == 4] = 3
+    out[(seg == 0) & (t1 > -1)] = 4
+    return out
+
+
+def medddpm_slice_minmax(image: torch.Tensor) -> torch.Tensor:
+    """Med-DDPM's intensity scaling: every slice along the third NIfTI axis min-maxed to [-1, 1] on its own.
+
+    The original runs sklearn ``MinMaxScaler().fit_transform`` on the NIfTI array reshaped to (i*j, k), so
+    each k-slice is one feature scaled to [0, 1] (a constant slice becomes 0), then applies x*2-1. The third
+    NIfTI axis is the model's D axis (dim 1 of a (C, D, H, W) tensor). Computed in float64 like sklearn.
+    """
+    x = torch.as_tensor(image).double()
+    lo = x.amin(dim=(2, 3), keepdim=True)
+    span = x.amax(dim=(2, 3), keepdim=True) - lo
+    span = torch.where(span == 0, torch.ones_like(span), span)  # sklearn's _handle_zeros_in_scale
+    return ((x - lo) / span * 2 - 1).float()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Discovery: which files belong together
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training example on disk: image files in channel order and the label-map file."""
+
+    name: str
+    images: tuple[Path, ...]
+    mask: Path
+
+
+@dataclass
+class Pairing:
+    """Result of scanning a data root.
+
+    Attributes:
+        pairs: complete cases, sorted by name.
+        orphan_masks: masks without an image: left out of training, still usable for sampling.
+        problems: (file or case, reason) for images that cannot be trained on (e.g. no mask).
+        ignored: NIfTI files whose names fit no pattern of the layout.
+    """
+
+    pairs: list[Case] = field(default_factory=list)
+    orphan_masks: list[Path] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    ignored: list[Path] = field(default_factory=list)
+
+
+def nifti_stem(path: Path) -> str:
+    """File name without ``.nii.gz`` / ``.nii``."""
+    name = path.name
+    return name[: -len(".nii.gz")] if name.endswith(".nii.gz") else name[: -len(".nii")]
+
+
+def _nifti_index(folder: Path) -> dict[str, Path]:
+    """Map stem -> path of the NIfTI files in ``folder`` (hidden files such as ``._x.nii.gz`` skipped)."""
+    index: dict[str, Path] = {}
+    if not folder.is_dir():
+        return index
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or not path.name.endswith((".nii", ".nii.gz")):
+            continue
+        stem = nifti_stem(path)
+        if stem in index:
+            raise DataError(f"{path}: clashes with {index[stem]} (two files for the name {stem!r})")
+        index[stem] = path
+    return index
+
+
+def _require_dir(path: Path, layout_hint: str) -> None:
+    if not path.is_dir():
+        raise DataError(f"{path}: no such folder ({layout_hint})")
+
+
+def list_pairs(root: str | Path) -> Pairing:
+    """Pair ``<root>/image/*.nii.gz`` with ``<root>/mask/*.nii.gz`` by file name, never by sort order."""
+    root = Path(root)
+    _require_dir(root / "image", "whole-head layout: <root>/image/*.nii.gz and <root>/mask/*.nii.gz")
+    images, masks = _nifti_index(root / "image"), _nifti_index(root / "mask")
+    pairing = Pairing(orphan_masks=[masks[n] for n in sorted(masks) if n not in images])
+    for name, image in images.items():
+        if name in masks:
+            pairing.pairs.append(Case(name, (image,), masks[name]))
+        else:
+            pairing.problems.append((str(image), f"image has no mask (expected {root / 'mask' / image.name})"))
+    return pairing
+
+
+_BRATS_FILE = re.compile(r"^(?P<case>.+)_(?P<kind>t1|t1ce|t2|flair|seg)$")
+
+
+def _brats_layout(root: Path, layout: str) -> str:
+    _check_choice("layout", layout, BRATS_LAYOUTS)
+    if layout != "auto":
+        return layout
+    modality_dirs = [(root / m).is_dir() for m in (*BRATS_MODALITIES, "seg")]
+    return "per_modality" if any(modality_dirs) else "per_case"
+
+
+def list_brats_cases(root: str | Path, layout: str = "auto") -> Pairing:
+    """Group BraTS files by case ID (``<case>_<modality>.nii.gz``) in either layout."""
+    root = Path(root)
+    _require_dir(root, "BraTS root: one folder per case, or t1/ t1ce/ t2/ flair/ seg/ folders")
+    files: dict[str, dict[str, Path]] = {}
+    ignored: list[Path] = []
+    if _brats_layout(root, layout) == "per_modality":
+        folders = [(kind, root / kind) for kind in (*BRATS_MODALITIES, "seg")]
+    else:
+        folders = [(None, d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")]
+    for expected_kind, folder in folders:
+        for stem, path in _nifti_index(folder).items():
+            match = _BRATS_FILE.match(stem)
+            ok = match and (match["kind"] == expected_kind if expected_kind else match["case"] == folder.name)
+            if not ok:
+                ignored.append(path)
+                continue
+            files.setdefault(match["case"], {})[match["kind"]] = path
+    pairing = _classify_brats(files)
+    pairing.ignored = ignored
+    return pairing
+
+
+def _classify_brats(files: dict[str, dict[str, Path]]) -> Pairing:
+    pairing = Pairing()
+    for case in sorted(files):
+        found = files[case]
+        missing = [m for m in BRATS_MODALITIES if m not in found]
+        if "seg" not in found:
+            pairing.problems.append((f"case {case}", f"images {sorted(found)} have no seg mask"))
+        elif len(missing) == len(BRATS_MODALITIES):
+            pairing.orphan_masks.append(found["seg"])
+        elif missing:
+            pairing.problems.append((f"case {case}", f"seg {found['seg']} lacks modalities {missing}"))
+        else:
+            pairing.pairs.append(Case(case, tuple(found[m] for m in BRATS_MODALITIES), found["seg"]))
+    return pairing
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation: every file read in full once, before training starts
+# ----------------------------------------------------------------------------------------------------------
+
+
+def read_volume(path: Path, role: str) -> tuple[np.ndarray, nib.Nifti1Image]:
+    """Read a 3-D NIfTI volume completely; raise ``DataError`` naming the file for any defect.
+
+    Trailing singleton axes ((i, j, k, 1) files) are accepted; MONAI's reader squeezes them the same way.
+    """
+    try:
+        img = nib.load(str(path))
+        data = np.asanyarray(img.dataobj)  # decompresses everything: catches truncated .nii.gz
+    except Exception as err:  # nibabel/gzip/zlib raise many types for a broken file
+        raise DataError(f"{path}: unreadable NIfTI {role} ({type(err).__name__}: {err})") from err
+    while data.ndim > 3 and data.shape[-1] == 1:
+        data = data[..., 0]
+    if data.ndim != 3:
+        raise DataError(f"{path}: {role} has {data.ndim} dimensions (shape {data.shape}); expected a 3-D volume")
+    bad = data.size - int(np.isfinite(data).sum()) if data.dtype.kind == "f" else 0
+    if bad:
+        raise DataError(f"{path}: {role} contains {bad} NaN/inf voxels")
+    return data, img
+
+
+def check_labels(data: np.ndarray, path: Path, allowed: Sequence[int]) -> np.ndarray:
+    """Check that a mask is an integer label map with labels in ``allowed``; return the labels present."""
+    values = np.unique(data)
+    if not np.array_equal(values, np.round(values)):
+        odd = values[values != np.round(values)][:5]
+        raise DataError(f"{path}: mask is not a label map (non-integer values such as {odd.tolist()})")
+    unexpected = sorted(set(values.astype(int).tolist()) - set(allowed))
+    if unexpected:
+        raise DataError(f"{path}: unexpected mask labels {unexpected} (expected a subset of {list(allowed)})")
+    return values.astype(int)
+
+
+def _check_intensity(data: np.ndarray, path: Path, intensity: str) -> None:
+    if data.min() == data.max():
+        raise DataError(f"{path}: image is constant (every voxel {data.min()}); cannot scale it to [-1, 1]")
+    if intensity == "none" and (data.min() < -1 or data.max() > 1):
+        raise DataError(
+            f"{path}: intensity 'none' needs values in [-1, 1], found [{data.min()}, {data.max()}]"
+        )
+
+
+def resolve_seg_labels(seg_labels: str, labels: np.ndarray, seg: np.ndarray, t1: np.ndarray | None,
+                       path: Path) -> str:
+    """Decide whether a BraTS seg holds raw release labels or Med-DDPM's (with healthy brain = 4).
+
+    ``auto``: label 3 only exists after remapping; without it, a raw seg still has label-0 voxels inside
+    the head (t1 above its minimum), which the Med-DDPM preprocessing turns into 4. Without a t1 volume, a
+    Med-DDPM seg is recognised by label 4 (healthy brain) outweighing the tumour labels.
+    """
+    _check_choice("seg_labels", seg_labels, SEG_LABEL_MODES)
+    present = set(labels.tolist())
+    if seg_labels == "auto":
+        if 3 in present:
+            seg_labels = "medddpm"
+        elif t1 is not None:
+            seg_labels = "raw" if np.any((seg == 0) & (t1 > t1.min())) else "medddpm"
+        elif 4 in present and (seg == 4).sum() > np.isin(seg, (1, 2)).sum():
+            seg_labels = "medddpm"
+        else:
+            raise DataError(f"{path}: cannot tell raw BraTS labels from Med-DDPM labels without the t1 volume; "
+                            "pass t1_path or set data.seg_labels=raw|medddpm")
+    if seg_labels == "raw" and 3 in present:
+        raise DataError(f"{path}: unexpected mask labels [3] for a raw BraTS seg (raw labels are 0, 1, 2, 4)")
+    return seg_labels
+
+
+def validate_case(case: Case, variant: Variant, intensity: str, seg_labels: str = "auto") -> dict[str, Any]:
+    """Read every file of ``case`` and return the record the MONAI pipeline loads.
+
+    Raises:
+        DataError: naming the file and the problem (unreadable, rank, NaN/inf, labels, shape mismatch).
+    """
+    mask, _ = read_volume(case.mask, "mask")
+    labels = check_labels(mask, case.mask, variant.labels)
+    t1 = None
+    for index, path in enumerate(case.images):
+        image, _ = read_volume(path, "image")
+        if image.shape != mask.shape:
+            raise DataError(f"{path}: image shape {image.shape} does not match mask {case.mask} shape {mask.shape}")
+        _check_intensity(image, path, intensity)
+        t1 = image if index == 0 else t1
+    record = {"image": [str(p) for p in case.images], "mask": str(case.mask), "name": case.name}
+    if variant.name == "brats":
+        record["seg_labels"] = resolve_seg_labels(seg_labels, labels, mask, t1, case.mask)
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MONAI preprocessing pipeline
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _intensity_step(intensity: str) -> list[Callable]:
+    _check_choice("intensity", intensity, INTENSITY_MODES)
+    if intensity == "volume_minmax":  # each modality on its own, like the original BraTS preprocessing
+        return [ScaleIntensityd("image", minv=-1.0, maxv=1.0, channel_wise=True)]
+    if intensity == "medddpm_slice_minmax":
+        return [Lambdad("image", medddpm_slice_minmax)]
+    return []
+
+
+def _resize_steps(keys: Sequence[str], image_size: Sequence[int], resize_mode: str) -> list[Callable]:
+    """Bring (C, D, H, W) tensors to ``image_size`` (D, H, W): centre crop/pad or resampling.
+
+    Images are padded with -1, the background value after scaling; masks with label 0.
+    """
+    _check_choice("resize_mode", resize_mode, RESIZE_MODES)
+    size = tuple(int(s) for s in image_size)
+    if resize_mode == "resample":
+        return [Resized(keys, size, mode=tuple("nearest" if k == "mask" else "trilinear" for k in keys))]
+    return [ResizeWithPadOrCropd(k, size, mode="constant", value=-1.0 if k == "image" else 0.0) for k in keys]
+
+
+def _apply_seg_convention(item: dict[str, Any]) -> dict[str, Any]:
+    if item.get("seg_labels") == "raw":
+        item["mask"] = remap_brats_raw_labels(item["mask"], item["image"][0:1])
+    return item
+
+
+def _finalise(item: dict[str, Any], variant: Variant) -> dict[str, Any]:
+    """Plain tensors in the item layout: cond from the label map, image as float32."""
+    out = {"cond": labels_to_cond(item["mask"], variant), "name": item["name"]}
+    if "image" in item:
+        out["image"] = plain_tensor(item["image"]).float().contiguous()
+    return out
+
+
+def build_transforms(variant: Variant, image_size: Sequence[int], *, intensity: str = "volume_minmax",
+                     resize_mode: str = "crop_or_pad", keys: Sequence[str] = ("image", "mask")) -> Compose:
+    """Deterministic pipeline from a record of file paths to a model-ready item.
+
+    Load (channel first) -> reverse spatial axes to the original's model order -> scale intensities ->
+    BraTS raw-label remapping (needs the scaled t1) -> crop/pad or resample -> one-hot condition.
+    """
+    keys = list(keys)
+    reader = NibabelReader(squeeze_non_spatial_dims=True)
+    steps: list[Callable] = [
+        LoadImaged(keys, reader=reader, image_only=True, ensure_channel_first=True),
+        Transposed(keys, NIFTI_AXES_TO_MODEL),  # model[c, d, h, w] = nifti[w, h, d, c]
+    ]
+    if "image" in keys:
+        steps += _intensity_step(intensity)
+    steps += [Lambda(_apply_seg_convention), *_resize_steps(keys, image_size, resize_mode), Lambda(partial(_finalise, variant=variant))]  # picklable for workers
+    return Compose(steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Datasets
+# ----------------------------------------------------------------------------------------------------------
+
+
+class NiftiPairDataset(Dataset):
+    """Validated image/mask cases behind a MONAI (optionally caching) dataset.
+
+    Attributes:
+        variant: the ``Variant`` (channel counts) the items follow.
+        records: one dict of file paths per usable case.
+        skipped: (file or case, reason) for every case left out under ``on_bad_file="skip"``.
+        orphan_masks: masks without an image (reported in one warning, not trained on).
+    """
+
+    def __init__(self, pairing: Pairing, variant: Variant, image_size: Sequence[int], *,
+                 intensity: str = "volume_minmax", resize_mode: str = "crop_or_pad", seg_labels: str = "auto",
+                 on_bad_file: str = "error", cache: str = "none", cache_dir: str | Path | None = None,
+                 root: str | Path = "") -> None:
+        _check_choice("on_bad_file", on_bad_file, BAD_FILE_MODES)
+        _check_choice("cache", cache, CACHE_MODES)
+        self.variant, self.orphan_masks = variant, list(pairing.orphan_masks)
+        transform = build_transforms(variant, image_size, intensity=intensity, resize_mode=resize_mode)
+        self._warn_unused(pairing)
+        problems = list(pairing.problems)
+        self.records = []
+        for case in pairing.pairs:
+            try:
+                self.records.append(validate_case(case, variant, intensity, seg_labels))
+            except DataError as err:
+                problems.append((case.name, str(err)))
+        self.skipped = self._handle_problems(problems, on_bad_file, root)
+        if not self.records:
+            raise DataError(f"{root}: no usable image/mask pairs (skipped {len(self.skipped)})")
+        signature = f"{variant.name}|{intensity}|{resize_mode}|{tuple(image_size)}"  # keys the disk cache
+        for record in self.records:
+            record["prep"] = signature + "|" + "|".join(_file_stamp(p) for p in [*record["image"], record["mask"]])
+        self._data = _cached_dataset(self.records, transform, cache, cache_dir)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._data[index]
+
+    def _warn_unused(self, pairing: Pairing) -> None:
+        if pairing.orphan_masks:
+            listed = ", ".join(str(p) for p in pairing.orphan_masks)
+            warnings.warn(f"{len(pairing.orphan_masks)} masks have no image and are left out of training "
+                          f"(they can still condition sampling): {listed}", stacklevel=4)
+        if pairing.ignored:
+            listed = ", ".join(str(p) for p in pairing.ignored)
+            warnings.warn(f"ignored {len(pairing.ignored)} NIfTI files with unexpected names: {listed}", stacklevel=4)
+
+    @staticmethod
+    def _handle_problems(problems: list[tuple[str, str]], on_bad_file: str, root: str | Path) -> list:
+        if not problems:
+            return []
+        listed = "\n".join(f"  {why}" if what in why else f"  {what}: {why}" for what, why in problems)
+        if on_bad_file == "error":
+            raise DataError(f"{len(problems)} bad input(s) under {root} (set data.on_bad_file=skip to skip "
+                            f"them):\n{listed}")
+        warnings.warn(f"skipped {len(problems)} bad input(s) under {root}:\n{listed}", stacklevel=4)
+        return problems
+
+
+def _file_stamp(path: str) -> str:
+    stat = Path(path).stat()
+    return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_dir: str | Path | None) -> Dataset:
+    if cache == "memory":
+        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)
+    if cache == "disk":
+        if not cache_dir:
+            raise ValueError("data.cache=disk needs data.cache_dir (a folder for MONAI's PersistentDataset)")
+        return PersistentDataset(records, transform, cache_dir=Path(cache_dir))
+    return MonaiDataset(records, transform)
+
+
+class WholeHeadDataset(NiftiPairDataset):
+    """Med-DDPM whole-head data: ``<root>/image`` + ``<root>/mask`` paired by file name."""
+
+    def __init__(self, root: str | Path, image_size: Sequence[int] = (128, 128, 128), **kwargs: Any) -> None:
+        super().__init__(list_pairs(root), VARIANTS["whole_head"], image_size, root=root, **kwargs)
+
+
+class BratsDataset(NiftiPairDataset):
+    """BraTS data in the per-case or per-modality layout, paired by case ID."""
+
+    def __init__(self, root: str | Path, image_size: Sequence[int] = (144, 192, 192), *, layout: str = "auto",
+                 **kwargs: Any) -> None:
+        super().__init__(list_brats_cases(root, layout), VARIANTS["brats"], image_size, root=root, **kwargs)
+
+
+def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None = None) -> Dataset:
+    """Dataset from the Hydra ``data`` node (``name`` in synthetic | whole_head | brats).
+
+    ``image_size`` (D, H, W) normally comes from the model node; ``cfg_data.image_size`` is the fallback.
+    """
+    name = cfg_data["name"]
+    size = tuple(int(s) for s in (image_size if image_size is not None else cfg_data["image_size"]))
+    common = {k: cfg_data[k] for k in ("intensity",) if k in cfg_data}
+    if name == "synthetic":
+        from med_ddpm.phantoms import SyntheticPhantoms  # phantoms builds on this module's label encoding
+
+        return SyntheticPhantoms(cfg_data.get("num_volumes", 8), size, variant=cfg_data.get("variant", "whole_head"),
+                                 seed=cfg_data.get("seed", 0), **common)
+    files = {k: cfg_data[k] for k in ("resize_mode", "on_bad_file", "cache", "cache_dir") if k in cfg_data}
+    if name == "whole_head":
+        return WholeHeadDataset(cfg_data["root"], size, **common, **files)
+    if name == "brats":
+        return BratsDataset(cfg_data["root"], size, layout=cfg_data.get("layout", "auto"),
+                            seg_labels=cfg_data.get("seg_labels", "auto"), **common, **files)
+    raise ValueError(f"data.name={name!r} is not one of ['synthetic', 'whole_head', 'brats']")
+
+
+def load_condition(mask_path: str | Path, variant: str, image_size: Sequence[int], *,
+                   resize_mode: str = "crop_or_pad", seg_labels: str = "auto",
+                   t1_path: str | Path | None = None) -> tuple[torch.Tensor, nib.Nifti1Image]:
+    """Condition tensor (C, D, H, W) for one mask file, for sampling; validated like training masks.
+
+    Returns the nibabel image too, so samples can be written with the mask's affine and header. A raw BraTS
+    seg needs its ``t1_path`` to derive the healthy-brain label.
+    """
+    spec, mask_path = get_variant(variant), Path(mask_path)
+    mask, nifti = read_volume(mask_path, "mask")
+    labels = check_labels(mask, mask_path, spec.labels)
+    record: dict[str, Any] = {"mask": str(mask_path), "name": nifti_stem(mask_path)}
+    keys = ["mask"]
+    if spec.name == "brats":
+        t1 = read_volume(Path(t1_path), "image")[0] if t1_path is not None else None
+        if t1 is not None and t1.shape != mask.shape:
+            raise DataError(f"{t1_path}: t1 shape {t1.shape} does not match mask {mask_path} shape {mask.shape}")
+        record["seg_labels"] = resolve_seg_labels(seg_labels, labels, mask, t1, mask_path)
+        if record["seg_labels"] == "raw":
+            if t1 is None:
+                raise DataError(f"{mask_path}: a raw BraTS seg needs t1_path to derive the healthy-brain label 4")
+            record["image"], keys = [str(t1_path)], ["image", "mask"]
+    transform = build_transforms(spec, image_size, resize_mode=resize_mode, keys=keys)
+    return transform(record)["cond"], nifti
+
+
+def build_dataloader(dataset: Dataset, batch_size: int = 1, *, shuffle: bool = True, num_workers: int = 0,
+                     seed: int = 0, drop_last: bool = True) -> DataLoader:
+    """DataLoader with a seeded shuffle order, so a resumed run can replay the same sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                      generator=generator, drop_last=drop_last, persistent_workers=num_workers > 0)

@@ -1,0 +1,419 @@
+"""Reverse-process samplers (diffusers-style contract) and the one sampling loop.
+
+A sampler turns the network's ε prediction at step t into x_{t−1}; it never sees the
+network. :func:`sample` is the only place where network and sampler meet.
+
+Contract (shared by every sampler, so tests and bench treat them alike)::
+
+    sampler.set_timesteps(n)                 # choose n reverse steps
+    for t in sampler.timesteps:              # descending training timesteps
+        out = sampler.step(eps, t, x_t, noise=z)   # -> StepOutput(prev_sample, pred_x0)
+
+Example:
+    >>> sampler = DDPMSampler(NoiseSchedule(250))
+    >>> x0 = sample(net, sampler, cond, generator=torch.Generator().manual_seed(0))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from med_ddpm.diffusion import NoiseSchedule, extract
+
+
+@dataclass
+class StepOutput:
+    """What a reverse step returns: x_{t−1} and the clipped x̂₀ estimate it used."""
+
+    prev_sample: torch.Tensor
+    pred_x0: torch.Tensor
+
+
+class Sampler:
+    """Base of the reverse-process samplers over a trained :class:`NoiseSchedule`.
+
+    Subclasses implement :meth:`set_timesteps` and :meth:`step`. ``stochastic`` says whether
+    a step consumes fresh noise (ancestral samplers) so a caller can supply it.
+    """
+
+    stochastic: bool = False
+
+    def __init__(self, schedule: NoiseSchedule, clip_denoised: bool = True):
+        self.schedule = schedule
+        self.clip_denoised = clip_denoised
+        self.timesteps = torch.arange(schedule.num_train_timesteps - 1, -1, -1)
+        self.num_inference_steps = schedule.num_train_timesteps
+
+    def set_timesteps(self, num_inference_steps: int) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        t: int | torch.Tensor,
+        x_t: torch.Tensor,
+        *,
+        noise: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> StepOutput:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Forward process q(x_t | x₀), so a caller can start a chain mid-way (e.g. SDEdit)."""
+        return self.schedule.add_noise(x0, noise, t)
+
+    def _t_batch(self, t: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)
+
+    def _pred_x0(self, x_t: torch.Tensor, tb: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        x0 = self.schedule.predict_x0(x_t, tb, eps)
+        return x0.clamp(-1.0, 1.0) if self.clip_denoised else x0
+
+
+class DDPMSampler(Sampler):
+    """Ancestral DDPM (Ho et al. 2020, Alg. 2) exactly as Med-DDPM's ``p_sample``.
+
+    x̂₀ = √(1/ᾱ_t)·x_t − √(1/ᾱ_t − 1)·ε, clamped to [−1, 1]; μ = coef1·x̂₀ + coef2·x_t;
+    x_{t−1} = μ + exp(½·log β̃_t)·z for t > 0 and μ at t = 0 (fixed posterior variance).
+    DDPM runs every training step; use DDIM / DPM-Solver++ / DEIS for fewer.
+    """
+
+    stochastic = True
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        T = self.schedule.num_train_timesteps
+        if num_inference_steps != T:
+            raise ValueError(
+                f"DDPM samples all {T} training steps (asked for {num_inference_steps}); "
+                "use sampler=ddim, dpm_solver_pp or deis for fewer steps"
+            )
+        self.num_inference_steps = T
+        self.timesteps = torch.arange(T - 1, -1, -1)
+
+    def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
+        tb = self._t_batch(t, x_t)
+        pred_x0 = self._pred_x0(x_t, tb, model_output)
+        mean = self.schedule.posterior_mean(pred_x0, x_t, tb)
+        if int(t) == 0:
+            return StepOutput(mean, pred_x0)
+        if noise is None:
+            noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+        std = torch.exp(0.5 * extract(self.schedule.posterior_log_variance_clipped, tb, x_t.dim()))
+        return StepOutput(mean + std * noise, pred_x0)
+
+
+SPACINGS = ("linspace", "leading", "trailing")
+
+
+def make_timesteps(
+    num_train_timesteps: int, num_inference_steps: int, spacing: str = "trailing"
+) -> torch.Tensor:
+    """``num_inference_steps`` descending int64 training timesteps for a few-step sampler.
+
+    Every sampler's last step goes from the last grid point to clean data (ᾱ = 1), returning x̂₀.
+
+    - ``trailing`` (default): round(T·(n−i)/n) − 1, i = 0..n−1 (Lin et al. 2024, Table 2): evenly
+      spaced, starts at T−1, where the cosine schedule's ᾱ is ~4e-8 (x_T ~ N(0, I) really lives
+      there), ends at T/n − 1. It skips the steep λ(t) near t = 0 (λ jumps 4.27 → 1.78 over
+      t = 0..24), where multistep extrapolation overshoots at few steps.
+    - ``linspace``: round(linspace(T−1, 0, n)), the grid MONAI's DDIM ``set_timesteps`` builds.
+    - ``leading``: (0, T//n, 2·T//n, ...) reversed, DDIM's original grid; never visits T−1.
+
+    For n = T all three are T−1, ..., 0. For n dividing T, ``trailing`` and ``leading`` are
+    evenly spaced by T//n, the step MONAI's DDIM ``step`` assumes.
+    """
+    T, n = num_train_timesteps, num_inference_steps
+    if not 1 <= n <= T:
+        raise ValueError(f"sampler.steps must be in [1, {T}] (the training timesteps); got {n}")
+    if spacing == "linspace":
+        ts = np.linspace(T - 1, 0, n).round()
+    elif spacing == "leading":
+        ts = (np.arange(n) * (T // n))[::-1]
+    elif spacing == "trailing":
+        ts = np.round(np.arange(n, 0, -1) * T / n) - 1
+    else:
+        raise ValueError(f"unknown timestep spacing {spacing!r}; known: {list(SPACINGS)}")
+    return torch.from_numpy(ts.astype(np.int64).copy())
+
+
+class FewStepSampler(Sampler):
+    """Base of the samplers that skip training steps (DDIM, DPM-Solver++, DEIS).
+
+    ``set_timesteps`` builds float64 tables of ᾱ on the grid, with ᾱ = 1 (clean data) appended
+    as the target of the last step, so step k maps x at ``timesteps[k]`` to x at the next grid
+    point. Coefficients are Python floats, computed once in float64 from the float32 buffers,
+    and applied to float32 tensors: no device syncs in ``step`` and no 1/α_t ~ 5e3 blow-up of
+    float32 rounding at t = T−1. Multistep history lives here and is reset by ``set_timesteps``.
+    """
+
+    sequential: bool = False  # multistep solvers must see the grid in order
+
+    def __init__(self, schedule: NoiseSchedule, clip_denoised: bool = True, spacing: str = "trailing"):
+        super().__init__(schedule, clip_denoised)
+        self.spacing = spacing
+        self.set_timesteps(schedule.num_train_timesteps)
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        T = self.schedule.num_train_timesteps
+        self.timesteps = make_timesteps(T, num_inference_steps, self.spacing)
+        self.num_inference_steps = num_inference_steps
+        ac = self.schedule.alphas_cumprod.detach().double().cpu()
+        self.abar = [float(ac[t]) for t in self.timesteps] + [1.0]
+        self.alpha = [math.sqrt(a) for a in self.abar]  # α_t = √ᾱ_t
+        self.sigma = [math.sqrt(1.0 - a) for a in self.abar]  # σ_t = √(1 − ᾱ_t)
+        self._position = {int(t): k for k, t in enumerate(self.timesteps)}
+        self._next_k = 0
+        self.reset_history()
+
+    def reset_history(self) -> None:
+        """Forget multistep state (nothing to forget for one-step samplers)."""
+
+    def _index(self, t: int | torch.Tensor) -> int:
+        """Position k of timestep t on the grid; multistep solvers also check the order."""
+        k = self._position.get(int(t))
+        if k is None:
+            raise ValueError(f"timestep {int(t)} is not on this sampler's grid {self.timesteps.tolist()}")
+        if self.sequential and k != self._next_k:
+            raise ValueError(
+                f"{type(self).__name__} is multistep: expected timestep {int(self.timesteps[self._next_k])} "
+                f"next, got {int(t)}; call set_timesteps() to restart the chain"
+            )
+        self._next_k = (k + 1) % self.num_inference_steps
+        return k
+
+    def _x0(self, x_t: torch.Tensor, eps: torch.Tensor, k: int) -> torch.Tensor:
+        """x̂₀ = (x_t − σ_t·ε)/α_t (Ho et al. 2020, eq. 4 solved for x₀), clamped to [−1, 1] if asked."""
+        x0 = (x_t - self.sigma[k] * eps) / self.alpha[k]
+        return x0.clamp(-1.0, 1.0) if self.clip_denoised else x0
+
+
+class DDIMSampler(FewStepSampler):
+    """DDIM (Song et al. 2021, eq. 12), with σ_t(η) of eq. 16; η = 0 is the deterministic ODE sampler.
+
+    x_{t'} = √ᾱ_{t'}·x̂₀ + √(1 − ᾱ_{t'} − σ²)·ε + σ·z,  σ = η·√((1−ᾱ_{t'})/(1−ᾱ_t))·√(1 − ᾱ_t/ᾱ_{t'}),
+    with t' the next grid point (ᾱ_{t'} = 1 after the last). The direction term uses the model's
+    ε, not the ε implied by the clipped x̂₀, like MONAI's and the original DDIM code. With
+    η = 1 on all T steps, σ² is DDPM's β̃_t and the step is DDPM's up to the clipping.
+    """
+
+    def __init__(
+        self, schedule: NoiseSchedule, eta: float = 0.0, clip_denoised: bool = True, spacing: str = "trailing"
+    ):
+        if eta < 0:
+            raise ValueError(f"sampler.eta must be >= 0; got {eta}")
+        self.eta = float(eta)
+        self.stochastic = self.eta > 0
+        super().__init__(schedule, clip_denoised, spacing)
+
+    def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
+        k = self._index(t)
+        a_t, a_prev = self.abar[k], self.abar[k + 1]
+        pred_x0 = self._x0(x_t, model_output, k)
+        std = self.eta * math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))  # eq. 16
+        prev = math.sqrt(a_prev) * pred_x0 + math.sqrt(max(1 - a_prev - std**2, 0.0)) * model_output
+        if std > 0:
+            if noise is None:
+                noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+            prev = prev + std * noise
+        return StepOutput(prev, pred_x0)
+
+
+class DPMSolverPPSampler(FewStepSampler):
+    """DPM-Solver++(2M), multistep, data prediction (Lu et al. 2022b, Alg. 2) on the trained schedule.
+
+    λ_t = log α_t − log σ_t from the discrete ᾱ; with h = λ_{t'} − λ_t and r = h_prev/h,
+    x_{t'} = (σ_{t'}/σ_t)·x_t − α_{t'}·(e^{−h} − 1)·D,  D = (1 + 1/2r)·x̂₀_t − (1/2r)·x̂₀_prev
+    (D = x̂₀_t on the first step: DPM-Solver++(1), which equals DDIM η = 0). The last step goes
+    to σ = 0, λ = ∞, where the update reduces to x̂₀ (the lower-order final step; 2nd order is
+    undefined there). ``clip_denoised`` clamps x̂₀ to [−1, 1] (Med-DDPM's clipping; the paper's
+    dynamic thresholding with ratio 1 on data in [−1, 1]).
+    """
+
+    sequential = True
+
+    def __init__(
+        self, schedule: NoiseSchedule, order: int = 2, clip_denoised: bool = True, spacing: str = "trailing"
+    ):
+        if order not in (1, 2):
+            raise ValueError(f"sampler.order for dpm_solver_pp must be 1 or 2; got {order}")
+        self.order = order
+        super().__init__(schedule, clip_denoised, spacing)
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        super().set_timesteps(num_inference_steps)
+        self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]
+
+    def reset_history(self) -> None:
+        self._prev_x0: torch.Tensor | None = None
+        self._prev_h = 0.0
+
+    def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
+        k = self._index(t)
+        pred_x0 = self._x0(x_t, model_output, k)
+        if k == self.num_inference_steps - 1:  # σ_{t'} = 0: x_{t'} = x̂₀
+            self.reset_history()
+            return StepOutput(pred_x0, pred_x0)
+        h = self.lam[k + 1] - self.lam[k]
+        d = pred_x0
+        if self.order == 2 and self._prev_x0 is not None:
+            c = 0.5 * h / self._prev_h  # 1/(2r)
+            d = (1 + c) * pred_x0 - c * self._prev_x0
+        prev = (self.sigma[k + 1] / self.sigma[k]) * x_t - self.alpha[k + 1] * math.expm1(-h) * d
+        self._prev_x0, self._prev_h = pred_x0, h
+        return StepOutput(prev, pred_x0)
+
+
+AB_COEFFICIENTS = {
+    1: (1.0,),
+    2: (3 / 2, -1 / 2),
+    3: (23 / 12, -16 / 12, 5 / 12),
+}  # Adams–Bashforth, newest first
+
+
+def lagrange_exp_weights(nodes: Sequence[float], a: float, b: float) -> list[float]:
+    """∫_a^b ℓ_j(v)·e^v dv for each Lagrange basis polynomial ℓ_j on ``nodes`` (newest first).
+
+    These are the tAB-DEIS weights in the time variable v = log ρ (ρ = σ/α), where dρ = e^v dv.
+    Exact for polynomials: ∫ p(v)·e^v dv = e^v·Σ_m (−1)^m·p^{(m)}(v).
+    """
+    weights = []
+    for j, v_j in enumerate(nodes):
+        others = [v for i, v in enumerate(nodes) if i != j]
+        ell = np.poly1d(others, r=True) / np.prod([v_j - v for v in others])
+
+        def antiderivative(v: float, ell=ell) -> float:
+            return math.exp(v) * sum((-1) ** m * np.polyder(ell, m)(v) for m in range(ell.order + 1))
+
+        weights.append(float(antiderivative(b) - antiderivative(a)))
+    return weights
+
+
+class DEISSampler(FewStepSampler):
+    """DEIS multistep on ε (Zhang & Chen 2023): ``variant="tab"`` (tAB-DEIS) or ``"ipndm"``.
+
+    The probability-flow ODE in y = x/α, ρ = σ/α is dy/dρ = ε(x, t) (Zhang & Chen, eq. 13 in
+    this time change), so y_{t'} = y_t + ∫_{ρ_t}^{ρ_{t'}} ε dρ exactly. Both variants replace ε by
+    the polynomial through the last ``order`` predictions: tAB fits it in v = log ρ = −λ and
+    integrates exactly (:func:`lagrange_exp_weights`; the discrete schedule has no continuous t,
+    so v plays the role of DEIS's t, as in diffusers' "logrho" DEIS); iPNDM uses the fixed
+    equal-step Adams–Bashforth weights times Δρ. Lower orders warm the history up, and the
+    last step (to ρ = 0) is first order, i.e. x̂₀. With clipping, ε is replaced by the ε implied
+    by the clipped x̂₀, so history and output agree.
+    """
+
+    sequential = True
+
+    def __init__(
+        self,
+        schedule: NoiseSchedule,
+        order: int = 3,
+        variant: str = "tab",
+        clip_denoised: bool = True,
+        spacing: str = "trailing",
+    ):
+        if order not in AB_COEFFICIENTS:
+            raise ValueError(f"sampler.order for deis must be in {sorted(AB_COEFFICIENTS)}; got {order}")
+        if variant not in ("tab", "ipndm"):
+            raise ValueError(f"sampler.variant for deis must be 'tab' or 'ipndm'; got {variant!r}")
+        self.order, self.variant = order, variant
+        super().__init__(schedule, clip_denoised, spacing)
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        super().set_timesteps(num_inference_steps)
+        rho = [s / a for s, a in zip(self.sigma, self.alpha)]
+        v = [math.log(r) if r > 0 else -math.inf for r in rho]
+        self._weights = []  # x-space weights α_{t'}·w_j of ε_{k−j}
+        for k in range(num_inference_steps - 1):
+            q = min(self.order, k + 1)
+            if self.variant == "tab":
+                w = lagrange_exp_weights(v[k - q + 1 : k + 1][::-1], v[k], v[k + 1])
+            else:
+                w = [(rho[k + 1] - rho[k]) * c for c in AB_COEFFICIENTS[q]]
+            self._weights.append([self.alpha[k + 1] * w_j for w_j in w])
+
+    def reset_history(self) -> None:
+        self._eps: list[torch.Tensor] = []  # newest first
+
+    def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
+        k = self._index(t)
+        pred_x0 = self._x0(x_t, model_output, k)
+        if k == self.num_inference_steps - 1:  # ρ_{t'} = 0: y_{t'} = y_t − ρ_t·ε = x̂₀
+            self.reset_history()
+            return StepOutput(pred_x0, pred_x0)
+        eps = (x_t - self.alpha[k] * pred_x0) / self.sigma[k] if self.clip_denoised else model_output
+        self._eps = [eps, *self._eps][: self.order]
+        prev = (self.alpha[k + 1] / self.alpha[k]) * x_t
+        for w_j, eps_j in zip(self._weights[k], self._eps):
+            prev = prev + w_j * eps_j
+        return StepOutput(prev, pred_x0)
+
+
+SAMPLERS: dict[str, type[Sampler]] = {
+    "ddpm": DDPMSampler,
+    "ddim": DDIMSampler,
+    "dpm_solver_pp": DPMSolverPPSampler,
+    "deis": DEISSampler,
+}
+
+
+def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, **kwargs) -> Sampler:
+    """Sampler by config name, with its timesteps set (``steps`` defaults to T)."""
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
+    sampler = SAMPLERS[name](schedule, **kwargs)
+    sampler.set_timesteps(steps or schedule.num_train_timesteps)
+    return sampler
+
+
+@torch.no_grad()
+def sample(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    sampler: Sampler,
+    cond: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    x_T: torch.Tensor | None = None,
+    step_noise: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    progress: bool = True,
+    forward_context: Callable[[], AbstractContextManager] | None = None,
+    out_channels: int | None = None,
+) -> torch.Tensor:
+    """Run the reverse chain from x_T ~ N(0, I) to x₀ for mask condition ``cond``.
+
+    Args:
+        model: ε-network, called as ``model(cat([x_t, cond], 1), t)``.
+        sampler: a :class:`Sampler` with its timesteps set.
+        cond: mask channels (B, C_mask, D, H, W), already in the model's layout/device.
+        generator: source of x_T and step noise when they are not given.
+        x_T: start of the chain; drawn in float32 when None.
+        step_noise: ``step_noise[k]`` is the noise for the k-th reverse step (k = 0 is the
+            first step, t = T−1); lets tests and the quality gate inject identical noise.
+        progress: show a tqdm bar.
+        forward_context: context manager factory put around each network call (autocast).
+        out_channels: image channels (defaults to ``model.out_channels``).
+
+    Returns:
+        x₀ in float32, same layout as ``cond``.
+    """
+    if x_T is None:
+        c = out_channels or model.out_channels
+        shape = (cond.shape[0], c, *cond.shape[2:])
+        x_T = torch.randn(shape, generator=generator, dtype=torch.float32, device=cond.device)
+    x = x_T.to(device=cond.device, dtype=torch.float32)
+    ctx = forward_context or nullcontext
+    for k, t in enumerate(tqdm(sampler.timesteps.tolist(), desc="sampling", disable=not progress, leave=False)):
+        tb = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
+        with ctx():
+            eps = model(torch.cat([x, cond.to(x.dtype)], dim=1), tb)
+        noise = None
+        if step_noise is not None and sampler.stochastic:
+            noise = step_noise[k].to(device=x.device, dtype=torch.float32)
+        x = sampler.step(eps.float(), t, x, noise=noise, generator=generator).prev_sample
+    return x

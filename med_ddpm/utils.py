@@ -1,0 +1,144 @@
+"""Small shared helpers: atomic file writes, seeding, device choice, environment capture.
+
+Atomic writes matter because a killed training job or a sweep that crashes mid-write must
+never leave a truncated checkpoint or results file where a good one used to be: we write
+a temporary file in the same directory, fsync it, and ``os.replace`` it over the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+
+def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -> Path:
+    """Call ``writer(fileobj)`` on a temp file beside ``path``, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` atomically."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text atomically (UTF-8)."""
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line and fsync, so a crash loses at most the line being written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line.rstrip("\n") + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; an explicit ``cuda`` without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was requested but no CUDA GPU is visible (use device=auto or cpu)")
+    return device
+
+
+def git_sha() -> str:
+    """The repository's HEAD commit (with ``-dirty``), or ``unknown`` outside a checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Everything a timing needs next to it to be comparable: GPU, driver, CUDA, cuDNN, versions, host."""
+    try:
+        import monai
+
+        monai_version = monai.__version__
+    except ImportError:  # pragma: no cover - monai is a runtime dependency
+        monai_version = None
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "monai": monai_version,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "git_sha": git_sha(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": str(device) if device is not None else None,
+    }
+    if torch.cuda.is_available():
+        dev = torch.device(device) if device is not None else torch.device("cuda")
+        props = torch.cuda.get_device_properties(dev.index or 0 if dev.type == "cuda" else 0)
+        info.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+            driver=_nvidia_driver(),
+        )
+    else:
+        info.update(gpu=None, compute_capability=None, driver=None)
+    return info

@@ -1,0 +1,29 @@
+"""Optimisation recipes: named, composable, measurable speed-ups for train, sample and bench.
+
+``RecipeStack([])`` is the strict-FP32 baseline; each recipe is one small class per file with a
+functional twin (see ``optim/CARDS.md``). ``optim`` depends on torch only (never on med_ddpm).
+Triton is imported lazily, by the fused GroupNorm on CUDA.
+"""
+
+from optim.amp import Amp, autocast_for, finite_or_skip
+from optim.attention import AttentionCore
+from optim.base import DeviceInfo, Recipe, RecipeConflictError, UnsupportedRecipeError
+from optim.channels_last import ChannelsLast3d, is_channels_last_3d, to_channels_last_3d
+from optim.checkpointing import Checkpointing, apply_checkpointing
+from optim.compile import Compile, compile_model
+from optim.cuda_graphs import CudaGraphs, graph_denoiser
+from optim.cudnn_benchmark import CudnnBenchmark, cudnn_benchmark_enabled
+from optim.flags import effective_flags
+from optim.fused_groupnorm import FusedGroupNorm, FusedGroupNormAct, fuse_groupnorm
+from optim.sdpa_attention import SdpaAttention, SdpaAttentionCore, use_sdpa_attention
+from optim.stack import RecipeStack
+from optim.tf32 import Tf32, tf32_enabled
+
+__all__ = [
+    "Amp", "AttentionCore", "ChannelsLast3d", "Checkpointing", "Compile", "CudaGraphs", "CudnnBenchmark",
+    "DeviceInfo", "FusedGroupNorm", "FusedGroupNormAct", "Recipe", "RecipeConflictError", "RecipeStack",
+    "SdpaAttention", "SdpaAttentionCore", "Tf32", "UnsupportedRecipeError", "apply_checkpointing",
+    "autocast_for", "cudnn_benchmark_enabled", "compile_model", "effective_flags", "finite_or_skip",
+    "fuse_groupnorm", "graph_denoiser", "is_channels_last_3d", "tf32_enabled", "to_channels_last_3d",
+    "use_sdpa_attention",
+]

@@ -1,0 +1,105 @@
+"""Automatic mixed precision (bf16 / fp16 autocast) for forward + loss, plus the non-finite guard.
+
+Autocast wraps only the forward pass and the loss (torchbench, nanoGPT): backward runs in the
+dtypes autocast recorded and the optimiser updates fp32 master weights. fp16's narrow range
+needs a ``GradScaler``; bf16 has fp32's range and needs none. A non-finite loss (overflow,
+a bad batch) must skip the step rather than poison the weights and the EMA, so the training
+loop asks :func:`finite_or_skip` (or the stack's counting guard) before ``backward``.
+
+Example:
+    >>> with autocast_for("bfloat16", "cuda"):
+    ...     loss = diffusion_loss(model, schedule, x0, cond)
+    >>> if finite_or_skip(loss):
+    ...     loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from optim.base import DeviceInfo, Recipe, RecipeConflictError, cuda_capability_at_least
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``"float16"`` (or the torch dtype) -> torch dtype; anything else raises."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise RecipeConflictError(f"amp dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def autocast_for(dtype: str | torch.dtype, device_type: str = "cuda",
+                 cache_enabled: bool = True) -> torch.autocast:
+    """Functional twin: the autocast context for ``dtype`` on ``device_type`` (CPU works too)."""
+    return torch.autocast(device_type, dtype=resolve_dtype(dtype), cache_enabled=cache_enabled)
+
+
+def finite_or_skip(loss: torch.Tensor) -> bool:
+    """True when the loss is finite; False means: skip backward and the optimiser step.
+
+    Costs one device->host sync per step (the price of not corrupting the weights).
+    """
+    return bool(torch.isfinite(loss.detach()).all())
+
+
+class NonFiniteGuard:
+    """:func:`finite_or_skip` that counts the steps it told the loop to skip."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+
+    def __call__(self, loss: torch.Tensor) -> bool:
+        ok = finite_or_skip(loss)
+        self.skipped += not ok
+        return ok
+
+
+class Amp(Recipe):
+    """Autocast to ``dtype`` around forward + loss; fp16 adds a ``GradScaler``.
+
+    The autocast device follows the model's parameters (recorded by ``prepare_model``), so the
+    same config works on CPU (bf16/fp16 CPU autocast) and CUDA.
+    """
+
+    name = "amp"
+    exact = False
+    tolerance = {"rtol": 5e-2, "atol": 1e-3}
+    stage = 40
+    conflicts = ("amp",)
+
+    def __init__(self, dtype: str = "bfloat16", cache_enabled: bool = True) -> None:
+        self.dtype = resolve_dtype(dtype)
+        self.cache_enabled = cache_enabled
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        param = next(model.parameters(), None)
+        if param is not None:
+            self.device_type = param.device.type
+        return model
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return autocast_for(self.dtype, self.device_type, self.cache_enabled)
+
+    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(device_type) if self.dtype == torch.float16 else None
+
+    def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
+        info = DeviceInfo.of(device)
+        if self.dtype == torch.bfloat16:
+            return cuda_capability_at_least(info, 8, "bfloat16 autocast")
+        return cuda_capability_at_least(info, 7, "float16 autocast with tensor cores")
+
+    def options(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "cache_enabled": self.cache_enabled}
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "device_type": self.device_type,
+                "grad_scaler": self.dtype == torch.float16}

@@ -1,0 +1,189 @@
+"""``RecipeStack``: the one object train, sample and bench call; validates, orders, composes.
+
+Ordering rules (plain data, like composer's passes), applied by sorting on ``Recipe.stage``:
+model surgery (attention, GroupNorm) -> checkpointing -> memory format -> AMP -> compile ->
+CUDA graphs. So the memory format is set before compile, compile sees the final model, and
+CUDA graphs capture the compiled forward. ``session()``s enter in that order and exit in
+reverse (composer's FILO rule).
+
+Conflicts are rejected up front with an error naming both recipes: two AMP recipes, two of
+the same recipe, ``cuda_graphs`` with ``compile(mode="reduce-overhead")`` (both capture graphs).
+
+The empty stack is the STRICT FP32 baseline: cuDNN conv TF32 is on by default in PyTorch, so
+``RecipeStack([]).session()`` sets ``cudnn.conv`` and ``cuda.matmul`` fp32 precision to
+``"ieee"`` (new API only), and every stack starts from that baseline before its own recipes.
+
+Example:
+    >>> stack = RecipeStack.from_config(cfg.get("recipe"))
+    >>> stack.require(device)
+    >>> with stack.session():
+    ...     model = stack.prepare_model(model)
+    ...     with stack.forward_context():
+    ...         loss = diffusion_loss(model, schedule, stack.prepare_input(x0), stack.prepare_input(cond))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from optim.amp import NonFiniteGuard
+from optim.base import DeviceInfo, Recipe, RecipeConflictError, UnsupportedRecipeError
+from optim.channels_last import ChannelsLast3d
+from optim.compile import Compile
+from optim.cuda_graphs import CudaGraphs
+from optim.flags import STRICT_FP32, effective_flags, set_flags
+
+
+def _conflicts(recipes: list[Recipe]) -> None:
+    """Raise :class:`RecipeConflictError` naming both recipes of the first incompatible pair."""
+    for i, a in enumerate(recipes):
+        for b in recipes[i + 1:]:
+            if a.name == b.name or b.name in a.conflicts or a.name in b.conflicts:
+                raise RecipeConflictError(f"recipes {a!r} and {b!r} cannot be combined "
+                                          f"(at most one {a.name!r} per stack)")
+    graphs = [r for r in recipes if isinstance(r, CudaGraphs)]
+    overhead = [r for r in recipes if isinstance(r, Compile) and r.mode == "reduce-overhead"]
+    if graphs and overhead:
+        raise RecipeConflictError(
+            f"recipes {overhead[0]!r} and {graphs[0]!r} cannot be combined: compile mode "
+            "'reduce-overhead' already captures CUDA graphs; use compile mode 'default' or "
+            "'max-autotune' with cuda_graphs, or drop cuda_graphs")
+
+
+class RecipeStack:
+    """An ordered, validated list of recipes with the :class:`optim.Recipe` hooks composed.
+
+    Args:
+        recipes: recipe instances in any order; they are sorted by stage (stable).
+    """
+
+    def __init__(self, recipes: Iterable[Recipe] = ()) -> None:
+        recipes = list(recipes)
+        bad = [r for r in recipes if not isinstance(r, Recipe)]
+        if bad:
+            raise TypeError(f"RecipeStack takes optim.Recipe instances, got {bad!r}")
+        _conflicts(recipes)
+        self.recipes: list[Recipe] = sorted(recipes, key=lambda r: r.stage)
+        self.guard = NonFiniteGuard()
+        self._notes: list[str] = []
+        if any(isinstance(r, Compile) for r in self.recipes):
+            for r in self.recipes:
+                if isinstance(r, ChannelsLast3d) and r.audit:
+                    r.audit = False
+                    self._notes.append("channels_last_3d layout audit off: torch.compile would trace its hooks")
+
+    @classmethod
+    def from_config(cls, node: Mapping[str, Any] | None) -> RecipeStack:
+        """Instantiate every child node that has a ``_target_`` (the Hydra ``recipe`` group).
+
+        ``None`` or ``{}`` (``recipe=[]``) gives the strict-FP32 baseline.
+        """
+        from hydra.utils import instantiate
+
+        recipes = []
+        for key, child in (node or {}).items():
+            if not isinstance(child, Mapping) or "_target_" not in child:
+                raise RecipeConflictError(f"recipe config node {key!r} has no _target_: {child!r}")
+            recipe = instantiate(child)
+            if not isinstance(recipe, Recipe):
+                raise TypeError(f"recipe config {key!r} built {type(recipe).__name__}, not an optim.Recipe")
+            recipes.append(recipe)
+        return cls(recipes)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.recipes]
+
+    @property
+    def exact(self) -> bool:
+        """True when every recipe is bit-exact (the empty stack is)."""
+        return all(r.exact for r in self.recipes)
+
+    def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
+        """``(False, "<name>: <reason>")`` for the first recipe the device cannot run."""
+        info = DeviceInfo.of(device)
+        for recipe in self.recipes:
+            ok, reason = recipe.supported(info)
+            if not ok:
+                return False, f"recipe {recipe.name!r} is unsupported on this device: {reason}"
+        return True, ""
+
+    def require(self, device: DeviceInfo | torch.device | str | None) -> None:
+        """Raise :class:`UnsupportedRecipeError` with the recipe's reason when unsupported."""
+        ok, reason = self.supported(device)
+        if not ok:
+            raise UnsupportedRecipeError(reason)
+
+    def session_flags(self) -> dict[str, Any]:
+        """The global flags a session of this stack sets: the strict baseline, then each recipe's."""
+        flags = dict(STRICT_FP32)
+        for recipe in self.recipes:
+            flags.update(recipe.flags())
+        return flags
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Strict-FP32 flags, then each recipe's session in order; all restored on exit."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(set_flags(STRICT_FP32))
+            for recipe in self.recipes:
+                stack.enter_context(recipe.session())
+            yield
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        for recipe in self.recipes:
+            model = recipe.prepare_model(model)
+        return model
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        for recipe in self.recipes:
+            x = recipe.prepare_input(x)
+        return x
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for recipe in self.recipes:
+                stack.enter_context(recipe.forward_context())
+            yield
+
+    def grad_scaler(self, device_type: str = "cuda") -> torch.amp.GradScaler:
+        """The fp16 recipe's scaler, else a disabled one (one code path in the loop, as nanoGPT)."""
+        for recipe in self.recipes:
+            scaler = recipe.grad_scaler(device_type)
+            if scaler is not None:
+                return scaler
+        return torch.amp.GradScaler(device_type, enabled=False)
+
+    def finite_or_skip(self, loss: torch.Tensor) -> bool:
+        """Non-finite-loss guard for the training loop; skips are counted in ``describe()``."""
+        return self.guard(loss)
+
+    def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` once, timing it as compile time when a compile recipe is present."""
+        compiles = [r for r in self.recipes if isinstance(r, Compile)]
+        return compiles[0].measure_first_call(fn, *args, **kwargs) if compiles else fn(*args, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able: the ordered recipes actually applied, backend flags, skipped steps.
+
+        ``effective_flags`` are the values in force *now*: call it inside ``session()`` (as the
+        loop does) to record what the kernels ran with; ``session_sets`` is what the session sets.
+        """
+        return {
+            "recipes": [r.describe() for r in self.recipes],
+            "order": self.names,
+            "exact": self.exact,
+            "session_sets": self.session_flags(),
+            "effective_flags": effective_flags(),
+            "skipped_steps": self.guard.skipped,
+            "notes": list(self._notes),
+        }
+
+    def __repr__(self) -> str:
+        return f"RecipeStack({self.recipes!r})"

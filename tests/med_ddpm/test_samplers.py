@@ -1,0 +1,293 @@
+"""Samplers: the shared contract, MONAI's DDIM step for step, and a closed-form toy problem.
+
+Toy problem: x₀ ~ N(μ, s²) in 1-D. The exact ε-predictor is analytic,
+ε*(x_t, t) = √(1−ᾱ)(x_t − √ᾱ·μ)/(ᾱ·s² + 1 − ᾱ), and the probability-flow ODE is affine:
+x_t = √ᾱ_t·μ + √(ᾱ_t·s² + 1 − ᾱ_t)·z keeps z fixed. So the exact endpoint of every
+deterministic sampler is known in closed form, and no network is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from monai.networks.schedulers import DDIMScheduler
+from omegaconf import OmegaConf
+
+from med_ddpm.diffusion import NoiseSchedule
+from med_ddpm.samplers import (
+    SAMPLERS,
+    DDIMSampler,
+    DDPMSampler,
+    DEISSampler,
+    DPMSolverPPSampler,
+    build_sampler,
+    lagrange_exp_weights,
+    make_timesteps,
+    sample,
+)
+
+CONFIGS = Path(__file__).parents[2] / "configs" / "sampler"
+T = 250
+FEW_STEP = ["ddim", "dpm_solver_pp", "deis"]
+
+
+@pytest.fixture(scope="module")
+def schedule() -> NoiseSchedule:
+    return NoiseSchedule(T)
+
+
+class GaussianToy:
+    """x₀ ~ N(μ, s²): the exact ε-predictor and the exact ODE map, in float64."""
+
+    def __init__(self, schedule: NoiseSchedule, mu: float, s: float):
+        self.abar = schedule.alphas_cumprod.double()
+        self.mu, self.s = mu, s
+
+    def eps(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        a = float(self.abar[t])
+        return math.sqrt(1 - a) * (x - math.sqrt(a) * self.mu) / (a * self.s**2 + 1 - a)
+
+    def ode_endpoint(self, x_start: torch.Tensor, t_start: int, t_last: int) -> torch.Tensor:
+        """Exact ODE solution from t_start to t_last, then x̂₀ = E[x₀ | x_{t_last}] (the final step)."""
+        a0, a1, mu, s2 = float(self.abar[t_start]), float(self.abar[t_last]), self.mu, self.s**2
+        z = (x_start - math.sqrt(a0) * mu) / math.sqrt(a0 * s2 + 1 - a0)
+        x_last = math.sqrt(a1) * mu + math.sqrt(a1 * s2 + 1 - a1) * z
+        return mu + s2 * math.sqrt(a1) / (a1 * s2 + 1 - a1) * (x_last - math.sqrt(a1) * mu)
+
+    def run(self, sampler, x: torch.Tensor, noise: list[torch.Tensor] | None = None) -> torch.Tensor:
+        for k, t in enumerate(sampler.timesteps.tolist()):
+            z = noise[k] if noise is not None else None
+            x = sampler.step(self.eps(x, t), t, x, noise=z).prev_sample
+        return x
+
+
+def ode_error(schedule, name: str, steps: int, x_T: torch.Tensor, toy: GaussianToy, **kw) -> float:
+    sampler = build_sampler(name, schedule, steps, clip_denoised=False, spacing="linspace", **kw)
+    x0 = toy.run(sampler, x_T)
+    ref = toy.ode_endpoint(x_T, int(sampler.timesteps[0]), int(sampler.timesteps[-1]))
+    return float((x0 - ref).abs().max())
+
+
+# --- contract -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spacing", ["trailing", "linspace", "leading"])
+@pytest.mark.parametrize("n", [1, 7, 10, 25, 249, 250])
+def test_timesteps_descending_unique_int64(spacing, n):
+    ts = make_timesteps(T, n, spacing)
+    assert ts.dtype == torch.int64 and ts.shape == (n,)
+    assert bool((ts[:-1] > ts[1:]).all()) and 0 <= int(ts[-1]) and int(ts[0]) <= T - 1
+    if spacing != "leading":
+        assert int(ts[0]) == T - 1
+    if n == T:
+        assert ts.tolist() == list(range(T - 1, -1, -1))
+
+
+def test_bad_arguments_raise_clear_errors(schedule):
+    with pytest.raises(ValueError, match="sampler.steps"):
+        make_timesteps(T, T + 1)
+    with pytest.raises(ValueError, match="spacing"):
+        DDIMSampler(schedule, spacing="uniform")
+    with pytest.raises(ValueError, match="unknown sampler"):
+        build_sampler("euler", schedule, 10)
+    with pytest.raises(ValueError, match="order"):
+        DEISSampler(schedule, order=4)
+    with pytest.raises(ValueError, match="variant"):
+        DEISSampler(schedule, variant="rk")
+    with pytest.raises(ValueError, match="eta"):
+        DDIMSampler(schedule, eta=-0.1)
+
+
+@pytest.mark.parametrize("name", ["ddpm", *FEW_STEP])
+def test_config_files_build_their_sampler(schedule, name):
+    node = OmegaConf.to_container(OmegaConf.load(CONFIGS / f"{name}.yaml"))
+    assert node["name"] == name
+    kwargs = {k: v for k, v in node.items() if k not in ("name", "steps")}
+    sampler = build_sampler(node["name"], schedule, node["steps"], **kwargs)
+    assert isinstance(sampler, SAMPLERS[name]) and len(sampler.timesteps) == node["steps"]
+    assert sampler.stochastic == (name == "ddpm")
+
+
+@pytest.mark.parametrize("name", FEW_STEP)
+def test_last_step_returns_x0_estimate_and_history_resets(schedule, name):
+    toy = GaussianToy(schedule, 0.2, 0.3)
+    sampler = build_sampler(name, schedule, 8)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    first = toy.run(sampler, x)
+    sampler.set_timesteps(8)
+    assert torch.equal(toy.run(sampler, x), first)  # multistep history reset by set_timesteps
+    t_last = int(sampler.timesteps[-1])
+    out = sampler.step(toy.eps(x, t_last), t_last, x) if name == "ddim" else None
+    if out is not None:
+        assert torch.equal(out.prev_sample, out.pred_x0)
+    assert float(first.abs().max()) <= 1.0  # clipped x̂₀ by default
+
+
+@pytest.mark.parametrize("name", ["dpm_solver_pp", "deis"])
+def test_multistep_rejects_out_of_order_steps(schedule, name):
+    sampler = build_sampler(name, schedule, 10)
+    x = torch.zeros(4)
+    sampler.step(x, int(sampler.timesteps[0]), x)
+    with pytest.raises(ValueError, match="multistep"):
+        sampler.step(x, int(sampler.timesteps[2]), x)
+    with pytest.raises(ValueError, match="not on this sampler's grid"):
+        sampler.step(x, 3, x)
+
+
+@pytest.mark.parametrize("name", ["ddpm", *FEW_STEP])
+def test_sample_loop_runs_every_sampler(schedule, name):
+    """The one loop drives every sampler: (B, 1, D, H, W) image plus mask channels."""
+    toy = GaussianToy(schedule, 0.2, 0.3)
+
+    def model(inp: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return toy.eps(inp[:, :1].double(), int(t[0])).float()
+
+    sampler = build_sampler(name, schedule, T if name == "ddpm" else 10)
+    cond = torch.zeros(2, 2, 4, 4, 4)
+    x0 = sample(model, sampler, cond, generator=torch.Generator().manual_seed(0), progress=False, out_channels=1)
+    assert x0.shape == (2, 1, 4, 4, 4) and x0.dtype == torch.float32 and torch.isfinite(x0).all()
+
+
+def test_add_noise_is_the_forward_process(schedule):
+    x0, noise, t = torch.rand(3, 1, 2, 2, 2), torch.randn(3, 1, 2, 2, 2), torch.tensor([0, 100, 249])
+    for name in FEW_STEP:
+        sampler = build_sampler(name, schedule, 10)
+        assert torch.equal(sampler.add_noise(x0, noise, t), schedule.add_noise(x0, noise, t))
+
+
+# --- DDIM against MONAI and DDPM ---------------------------------------------------------------
+
+
+def monai_ddim(schedule: NoiseSchedule, steps: int) -> DDIMScheduler:
+    """MONAI's DDIM on *our* float32 ᾱ (its own cosine is computed in float32 and differs by ~1e-7)."""
+    ref = DDIMScheduler(num_train_timesteps=T, schedule="cosine", clip_sample=True, prediction_type="epsilon")
+    ref.betas, ref.alphas_cumprod = schedule.betas.clone(), schedule.alphas_cumprod.clone()
+    ref.alphas = 1.0 - ref.betas
+    ref.set_timesteps(steps)  # step() uses prev = t − T // steps, whatever grid set_timesteps made
+    return ref
+
+
+@pytest.mark.parametrize("eta", [0.0, 1.0])
+@pytest.mark.parametrize("steps", [T, 25])
+def test_ddim_matches_monai_step_for_step(schedule, steps, eta):
+    ours = DDIMSampler(schedule, eta=eta)  # trailing: evenly spaced by T // steps, like MONAI's step
+    ours.set_timesteps(steps)
+    ref = monai_ddim(schedule, steps)
+    if steps == T:
+        assert torch.equal(ours.timesteps, ref.timesteps)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, 4, 4, 4, generator=gen)
+    g_ours, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for t in ours.timesteps.tolist():
+        eps = 1.5 * torch.randn(x.shape, generator=gen)
+        out = ours.step(eps, t, x, generator=g_ours)
+        x_ref, x0_ref = ref.step(eps, t, x, eta=eta, generator=g_ref)
+        # x̂₀ = (x − σ·ε)/α: float32 rounding is amplified by 1/α_t (~5e3 at t = T−1)
+        atol = 1e-6 / math.sqrt(float(schedule.alphas_cumprod[t]))
+        torch.testing.assert_close(out.pred_x0, x0_ref, rtol=1e-5, atol=atol)
+        torch.testing.assert_close(out.prev_sample, x_ref, rtol=1e-5, atol=1e-5)
+        x = out.prev_sample
+
+
+def test_ddim_eta_one_on_all_steps_is_ddpm(schedule):
+    """σ_t(η=1)² = β̃_t (Song et al. eq. 16): without clipping the two updates coincide."""
+    ddim, ddpm = DDIMSampler(schedule, eta=1.0, clip_denoised=False), DDPMSampler(schedule, clip_denoised=False)
+    ddpm.set_timesteps(T)
+    gen = torch.Generator().manual_seed(3)
+    for t in (249, 200, 100, 10, 1):
+        x, eps, z = (torch.randn(64, generator=gen) for _ in range(3))
+        a = ddim.step(eps, t, x, noise=z).prev_sample
+        b = ddpm.step(eps, t, x, noise=z).prev_sample
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_dpm_solver_pp_first_order_is_ddim(schedule):
+    """DPM-Solver++(1) = DDIM η = 0 (Lu et al. 2022b), given unclipped x̂₀."""
+    toy = GaussianToy(schedule, 0.2, 0.3)
+    x_T = torch.randn(256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a = toy.run(build_sampler("dpm_solver_pp", schedule, 12, order=1, clip_denoised=False), x_T)
+    b = toy.run(build_sampler("ddim", schedule, 12, clip_denoised=False), x_T)
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+# --- closed-form toy problem -------------------------------------------------------------------
+
+
+def test_lagrange_exp_weights_are_exact_for_polynomials():
+    nodes, a, b = [0.3, -0.4, -1.2], 0.3, 1.1
+    assert lagrange_exp_weights([0.3], a, b) == pytest.approx([math.exp(b) - math.exp(a)])
+    v = np.linspace(a, b, 20001)
+    for p in (lambda u: np.ones_like(u), lambda u: 2 - u, lambda u: u**2 + 0.5 * u):
+        quad = np.trapezoid(p(v) * np.exp(v), v)
+        assert sum(w * p(np.array(n)) for w, n in zip(lagrange_exp_weights(nodes, a, b), nodes)) == pytest.approx(
+            quad, rel=1e-6
+        )
+
+
+@pytest.fixture(scope="module")
+def toy_errors(schedule):
+    """Max |x₀ − exact ODE endpoint| over 1024 samples, T−1 → 0 (linspace grid), no clipping."""
+    toy = GaussianToy(schedule, 0.2, 0.5)
+    x_T = torch.randn(1024, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    runs = {"ddim": {}, "dpm_solver_pp": {}, "deis": {}, "ipndm": {}}
+    out = {}
+    for key, kw in runs.items():
+        name = "deis" if key == "ipndm" else key
+        kw = {"variant": "ipndm"} if key == "ipndm" else kw
+        out[key] = {n: ode_error(schedule, name, n, x_T, toy, **kw) for n in (10, 20, 40)}
+    return out
+
+
+def test_ddim_is_first_order_and_full_ddim_is_the_ode(schedule, toy_errors):
+    e = toy_errors["ddim"]
+    assert 0.4 < e[20] / e[10] < 0.6 and 0.4 < e[40] / e[20] < 0.6
+    toy = GaussianToy(schedule, 0.2, 0.5)
+    x_T = torch.randn(1024, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert ode_error(schedule, "ddim", T, x_T, toy) < 0.2 * e[40]
+
+
+@pytest.mark.parametrize("name", ["dpm_solver_pp", "deis", "ipndm"])
+def test_multistep_converges_faster_than_ddim(toy_errors, name):
+    e, ddim = toy_errors[name], toy_errors["ddim"]
+    assert e[40] < e[20] < e[10]
+    assert e[40] / e[20] < 0.4  # higher than first order
+    assert e[20] < 0.7 * ddim[20] and e[40] < 0.5 * ddim[40]
+
+
+@pytest.mark.parametrize(("name", "steps", "std_tol"), [("ddim", 50, 0.05), ("dpm_solver_pp", 25, 0.02), ("deis", 25, 0.02)])
+def test_deterministic_samples_match_the_data_distribution(schedule, name, steps, std_tol):
+    """Default config (trailing grid, x̂₀ clipped to [−1, 1]) on N(0.2, 0.3²)."""
+    mu, s = 0.2, 0.3
+    toy = GaussianToy(schedule, mu, s)
+    x_T = torch.randn(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x0 = toy.run(build_sampler(name, schedule, steps), x_T)
+    assert abs(float(x0.mean()) - mu) < 0.01
+    assert abs(float(x0.std()) / s - 1) < std_tol
+
+
+@pytest.mark.parametrize("name", ["ddpm", "ddim"])
+def test_ancestral_samples_match_the_data_distribution(schedule, name):
+    """DDPM (and DDIM η = 1) with exact ε draws N(μ, s²): checked on 4096 samples."""
+    mu, s = 0.2, 0.3
+    toy = GaussianToy(schedule, mu, s)
+    gen = torch.Generator().manual_seed(0)
+    sampler = DDPMSampler(schedule) if name == "ddpm" else DDIMSampler(schedule, eta=1.0)
+    sampler.set_timesteps(T if name == "ddpm" else 50)
+    x_T = torch.randn(4096, generator=gen, dtype=torch.float64)
+    noise = list(torch.randn(len(sampler.timesteps), 4096, generator=gen, dtype=torch.float64))
+    x0 = toy.run(sampler, x_T, noise)
+    assert abs(float(x0.mean()) - mu) < 0.015
+    assert abs(float(x0.std()) / s - 1) < 0.04
+
+
+def test_registry_lists_every_sampler():
+    assert SAMPLERS == {
+        "ddpm": DDPMSampler,
+        "ddim": DDIMSampler,
+        "dpm_solver_pp": DPMSolverPPSampler,
+        "deis": DEISSampler,
+    }

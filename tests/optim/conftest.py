@@ -1,0 +1,90 @@
+"""Shared helpers for the recipe tests: the tiny real UNet3D and one generic training step.
+
+The step is the training loop's shape, written once and used for the baseline and every recipe
+alike (no per-recipe branches): session -> prepare_model -> Adam -> prepare_input ->
+forward_context(forward + L1 loss) -> finite guard -> scaler.scale(loss).backward() ->
+unscale -> (record grads) -> scaler.step -> update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from med_ddpm.model import UNet3D
+from optim import RecipeStack
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE_DIR = REPO / "configs" / "recipe"
+TINY = dict(in_channels=3, out_channels=1, model_channels=32, channel_mult=(1, 2), num_res_blocks=1,
+            attention_ds=(2,), num_heads=1, dropout=0.0)
+LR = 1e-3
+
+
+@dataclass
+class StepResult:
+    output: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+
+def tiny_unet(seed: int = 0, **overrides) -> UNet3D:
+    torch.manual_seed(seed)
+    return UNet3D(**{**TINY, **overrides})
+
+
+def tiny_batch(size: int = 8, batch: int = 2, device: str = "cpu", seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, TINY["in_channels"], size, size, size, generator=g)
+    target = torch.randn(batch, TINY["out_channels"], size, size, size, generator=g)
+    t = torch.randint(0, 250, (batch,), generator=g)
+    return x.to(device), t.to(device), target.to(device)
+
+
+def train_step(stack: RecipeStack, model: torch.nn.Module, x, t, target) -> StepResult:
+    """One L1 + Adam step through every stack hook, as the training loop runs it."""
+    device_type = x.device.type
+    with stack.session():
+        model = stack.prepare_model(model)
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        scaler = stack.grad_scaler(device_type)
+        with stack.forward_context():
+            out = model(stack.prepare_input(x), t)
+            loss = F.l1_loss(out.float(), stack.prepare_input(target))
+        assert stack.finite_or_skip(loss), f"non-finite loss {loss}"
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        params = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return StepResult(out.detach().float(), loss.detach(), grads, params)
+
+
+def scaled_error(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max|a - b|, max|b|): the two numbers the card tolerance is stated in."""
+    a, b = a.float(), b.float()
+    return (a - b).abs().max().item(), b.abs().max().item()
+
+
+def assert_close(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool, tol: dict, slack: float = 0.0):
+    """Bit-equality for exact recipes; else max|a-b| <= atol + rtol * max|b| (+ slack)."""
+    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} vs baseline {tuple(b.shape)}"
+    if exact:
+        assert torch.equal(a.float(), b.float()), f"{name}: not bit-exact, max diff {scaled_error(a, b)[0]}"
+        return
+    err, scale = scaled_error(a, b)
+    bound = tol["atol"] + tol["rtol"] * scale + slack
+    assert err <= bound, f"{name}: max|diff| {err:.3g} > {bound:.3g} (atol + rtol * {scale:.3g} + {slack})"
+
+
+@pytest.fixture(scope="session")
+def recipe_files() -> list[Path]:
+    files = sorted(RECIPE_DIR.glob("*.yaml"))
+    assert files, f"no recipe configs in {RECIPE_DIR}"
+    return files
