@@ -38,7 +38,7 @@ from bench.timing import (
 )
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.model import build_model
-from med_ddpm.samplers import build_sampler, sample
+from med_ddpm.samplers import Sampler, build_sampler, sample
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
@@ -54,6 +54,10 @@ class UnsupportedStack(RuntimeError):
 
 class NonFiniteOutput(RuntimeError):
     """The step produced NaN/Inf (loss or sample): a ``nan`` row, not a timing."""
+
+
+def build_schedule(diffusion_cfg: Mapping) -> NoiseSchedule:
+    return NoiseSchedule(**{k: diffusion_cfg[k] for k in SCHEDULE_KEYS if k in diffusion_cfg})
 
 
 def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,12 +110,17 @@ def _denoise_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack,
     return step
 
 
+def configured_sampler(sampler_cfg: Mapping, schedule: NoiseSchedule) -> Sampler:
+    """The ``sampler`` config node as a sampler with its timesteps set."""
+    extra = {k: v for k, v in sampler_cfg.items() if k not in ("name", "steps", "_target_")}
+    return build_sampler(sampler_cfg["name"], schedule, steps=sampler_cfg.get("steps"), **extra)
+
+
 def _full_sample(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
                  cond: torch.Tensor, cfg: Mapping) -> Step:
     """The full reverse chain with the configured sampler and steps (``med_ddpm.sample``'s loop)."""
     model.eval()
-    sampler_cfg = {k: v for k, v in cfg["sampler"].items() if k not in ("name", "steps", "_target_")}
-    sampler = build_sampler(cfg["sampler"]["name"], schedule, steps=cfg["sampler"].get("steps"), **sampler_cfg)
+    sampler = configured_sampler(cfg["sampler"], schedule)
     gen = torch.Generator(device=x0.device).manual_seed(int(cfg["seed"]))
 
     def step() -> torch.Tensor:
@@ -179,7 +188,7 @@ def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, Re
     flush(device)
     with stack.session():
         model = stack.prepare_model(build_model(cfg["model"]).to(device))
-        schedule = NoiseSchedule(**{k: cfg["diffusion"][k] for k in SCHEDULE_KEYS if k in cfg["diffusion"]}).to(device)
+        schedule = build_schedule(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
         x0, cond = stack.prepare_input(x0), stack.prepare_input(cond)
         yield SCENARIOS[bench["scenario"]](model, schedule, stack, x0, cond, cfg), stack

@@ -192,6 +192,8 @@ def active_precision(device_type: str) -> str:
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if device_type != "cuda":  # the fp32_precision switches are cuDNN/cuBLAS ones
+        return "fp32"
     conv = torch.backends.cudnn.conv.fp32_precision
     matmul = torch.backends.cuda.matmul.fp32_precision
     return "tf32" if "tf32" in (conv, matmul) else "fp32"

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from bench.gate import quality_report
+from bench.records import MEASURED_FIELDS
 from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, run_scenario
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
@@ -83,6 +85,7 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
         "sampler": cfg["sampler"]["name"] if sampling else None,
         "steps": (cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"]) if sampling else None,
         "recipes": list(job["recipes"]),
+        **dict.fromkeys(MEASURED_FIELDS),
         "status": "error",
         "message": PLACEHOLDER,
         "quality": None,
@@ -95,10 +98,12 @@ def measure(job: Mapping[str, Any], row_path: Path) -> dict[str, Any]:
     """Run the job in this process and write its row (placeholder first, then the result)."""
     cfg = job["config"]
     device = resolve_device(cfg["device"])
+    if cfg["bench"].get("threads"):
+        torch.set_num_threads(int(cfg["bench"]["threads"]))
     row = {**base_row(job), "env": env_info(device)}
     atomic_write_text(row_path, json.dumps(row, default=str))
     inject = cfg["bench"].get("inject")
-    wrap = (lambda step: inject_fault(step, inject)) if inject else None
+    wrap = (lambda step: inject_fault(step, str(inject))) if inject else None  # YAML reads nan as a float
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         try:
@@ -107,16 +112,12 @@ def measure(job: Mapping[str, Any], row_path: Path) -> dict[str, Any]:
             row["status"], row["message"] = classify(err)
     row["warnings"] = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
     if row["status"] == "ok" and cfg["bench"].get("quality"):
-        row["quality"] = quality_report(cfg, device)
+        try:
+            row["quality"] = quality_report(cfg, device)
+        except Exception as err:  # the timing stands; the gate's failure is reported in its place
+            row["quality"] = {"verdict": "error", "reasons": [classify(err)[1]]}
     atomic_write_text(row_path, json.dumps(row, default=str))
     return row
-
-
-def quality_report(cfg: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """The quality gate's verdict for this recipe stack (``med_ddpm.quality``), as a dict."""
-    from med_ddpm.quality import bench_gate
-
-    return bench_gate(cfg, device)
 
 
 def _text(stream: bytes | str | None) -> str:

@@ -234,6 +234,20 @@ class UNet3D(nn.Module):
                 self.output_blocks.append(TimestepEmbedSequential(*layers))
 
         self.out = nn.Sequential(GroupNorm32(ch), nn.SiLU(), nn.Conv3d(ch, out_channels, 3, padding=1))
+        self.zero_init_residuals()
+
+    def zero_init_residuals(self) -> None:
+        """Zero the output conv, each ResBlock's last conv and each attention ``proj_out``, as the
+        original does: every residual branch starts as the identity and a fresh net predicts ε = 0."""
+        layers = [self.out[-1]]
+        for m in self.modules():
+            if isinstance(m, ResBlock):
+                layers.append(m.out_layers[-1])
+            elif isinstance(m, AttentionBlock):
+                layers.append(m.proj_out)
+        for layer in layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     @property
     def in_channels(self) -> int:

@@ -11,6 +11,9 @@ Example (what bench does for one candidate)::
     report = QualityGate.from_config(cfg.quality).run(ref, cand)   # -> verdict pass|warn|fail
     row["quality"] = report.to_dict()
 
+    # or, from a composed config (model, diffusion, sampler, recipe, quality, seed):
+    row["quality"] = gate_from_config(cfg, device, checkpoint=path_or_None).to_dict()
+
 Both runs share the weights, the masks, x_T and every per-step noise field. Noise is drawn in
 float32 on the CPU from seeds and only then moved to the device, so neither memory layout nor
 autocast dtype can change it. Three kinds of evidence (issue 7):
@@ -32,6 +35,7 @@ This module takes callables only; it knows nothing about bench or recipe interna
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +60,7 @@ from med_ddpm.metrics import (
     VolumeMetric,
     region_mask,
 )
-from med_ddpm.samplers import Sampler, sample
+from med_ddpm.samplers import DDPMSampler, Sampler, build_sampler, sample
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
 VERDICTS = ("pass", "warn", "fail")
@@ -429,3 +433,92 @@ def calibrate_floor(
     # |.|: KID and MMD are unbiased estimates that scatter around 0 for equal distributions,
     # so the size of that scatter, not its sign, is the floor.
     return {n: abs(float(v)) for n, v in floors.items()}
+
+
+# ----------------------------------------------------------------------------- config entry point
+def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, checkpoint: str | None = None,
+                     n_samples: int = 2) -> QualityReport:
+    """The gate for a config's recipe stack and sampler vs strict-FP32 DDPM on the same weights.
+
+    Reads only the shared keys: ``model``, ``diffusion``, ``sampler``, ``recipe``, ``quality``,
+    ``seed``. Weights come from ``checkpoint`` (this project's or an original Med-DDPM file) or,
+    when None, a ``seed``-fixed random init of ``model``. The masks are ``n_samples`` copies of
+    one synthetic phantom's (so diversity has pairs); ``n_samples`` phantom images serve as the
+    "real" set. With ``quality.calibrate`` the floors are measured first (3 more trajectories).
+    """
+    from med_ddpm.phantoms import SyntheticPhantoms
+    from optim import RecipeStack
+
+    cfg = _as_dict(cfg)
+    device, seed = torch.device(device), int(cfg.get("seed", 0))
+    model, schedule = _gate_model(cfg, checkpoint, seed)
+    model, schedule = model.to(device).eval(), schedule.to(device)
+    variant = "whole_head" if model.out_channels == 1 else "brats"
+    phantoms = SyntheticPhantoms(n_samples, tuple(cfg["model"]["image_size"]), variant=variant, seed=seed)
+    cond = phantoms[0]["cond"][None].expand(n_samples, -1, -1, -1, -1).contiguous().to(device)
+    real = torch.stack([phantoms[i]["image"] for i in range(n_samples)])
+    T = schedule.num_train_timesteps
+    ddpm = DDPMSampler(schedule)
+    ddpm.set_timesteps(T)
+    spec = dict(cfg.get("sampler") or {"name": "ddpm"})
+    sampler = build_sampler(spec.pop("name"), schedule, spec.pop("steps", None), **spec)
+    noise = fixed_noise((n_samples, model.out_channels, *cond.shape[2:]), T, seed, device)
+    thresholds = {**(cfg.get("quality") or load_thresholds()), "cond_layout": variant}
+    floor = None
+    with RecipeStack([]).session():
+        reference = run_trajectory(model, ddpm, cond, noise)
+        if thresholds.get("calibrate"):
+            second = fixed_noise(noise.x_T.shape, T, seed + 1, device)
+            floor = calibrate_floor(model, ddpm, cond, noise, second, gate=QualityGate(thresholds))
+    stack = RecipeStack.from_config(cfg.get("recipe"))
+    with stack.session():
+        fast = stack.prepare_model(copy.deepcopy(model))
+        candidate = run_trajectory(lambda x, t: fast(stack.prepare_input(x), t), sampler, cond, noise,
+                                   probe_inputs=reference.probe_inputs, forward_context=stack.forward_context)
+    return QualityGate(thresholds, floor=floor).run(reference, candidate, real=real)
+
+
+CONFIG_KEYS = ("model", "diffusion", "sampler", "recipe", "quality", "seed")
+
+
+def _as_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain dicts of the keys the gate reads (only those are resolved: ``output_dir`` may need Hydra)."""
+    from omegaconf import OmegaConf
+
+    return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+            for k in CONFIG_KEYS if k in cfg}
+
+
+def _gate_model(cfg: Mapping[str, Any], checkpoint: str | None, seed: int):
+    """(model, schedule) from a checkpoint, or the config's architecture with a seeded init."""
+    from med_ddpm.checkpoint import load_checkpoint
+    from med_ddpm.diffusion import NoiseSchedule
+    from med_ddpm.model import build_model
+
+    if checkpoint is not None:
+        loaded = load_checkpoint(checkpoint)
+        return loaded.model, loaded.schedule
+    diffusion = cfg.get("diffusion") or {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_model(cfg["model"])
+    randomize_zero_init(model, seed)
+    schedule = NoiseSchedule(diffusion.get("timesteps", 250), diffusion.get("schedule", "cosine"),
+                             diffusion.get("cosine_s", 0.008))
+    return model, schedule
+
+
+def randomize_zero_init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every all-zero conv / linear layer PyTorch's default random init, seeded, in place.
+
+    A fresh Med-DDPM network zero-initialises its output conv and residual branches, so it
+    predicts ε = 0 whatever the input and every recipe would "pass" trivially. Re-initialising
+    those layers (as the shared reference checkpoint was made) makes every path count, so a
+    random-weights gate still measures each kernel's numerics.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv3d | torch.nn.Conv1d | torch.nn.Linear) and not m.weight.any():
+                m.reset_parameters()
+    return model

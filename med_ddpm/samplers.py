@@ -122,7 +122,8 @@ def make_timesteps(
     - ``trailing`` (default): round(T·(n−i)/n) − 1, i = 0..n−1 (Lin et al. 2024, Table 2): evenly
       spaced, starts at T−1, where the cosine schedule's ᾱ is ~4e-8 (x_T ~ N(0, I) really lives
       there), ends at T/n − 1. It skips the steep λ(t) near t = 0 (λ jumps 4.27 → 1.78 over
-      t = 0..24), where multistep extrapolation overshoots at few steps.
+      t = 0..24), where multistep extrapolation overshoots at few steps. The price: the final x̂₀
+      is a posterior mean at t = T/n − 1 (t = 4 at 50 steps), a little smoother than a sample.
     - ``linspace``: round(linspace(T−1, 0, n)), the grid MONAI's DDIM ``set_timesteps`` builds.
     - ``leading``: (0, T//n, 2·T//n, ...) reversed, DDIM's original grid; never visits T−1.
 
@@ -270,11 +271,8 @@ class DPMSolverPPSampler(FewStepSampler):
         return StepOutput(prev, pred_x0)
 
 
-AB_COEFFICIENTS = {
-    1: (1.0,),
-    2: (3 / 2, -1 / 2),
-    3: (23 / 12, -16 / 12, 5 / 12),
-}  # Adams–Bashforth, newest first
+# Adams–Bashforth weights for equal steps, newest first (iPNDM's; Zhang & Chen 2023, App.)
+AB_COEFFICIENTS = {1: (1.0,), 2: (3 / 2, -1 / 2), 3: (23 / 12, -16 / 12, 5 / 12)}
 
 
 def lagrange_exp_weights(nodes: Sequence[float], a: float, b: float) -> list[float]:
@@ -298,9 +296,9 @@ def lagrange_exp_weights(nodes: Sequence[float], a: float, b: float) -> list[flo
 class DEISSampler(FewStepSampler):
     """DEIS multistep on ε (Zhang & Chen 2023): ``variant="tab"`` (tAB-DEIS) or ``"ipndm"``.
 
-    The probability-flow ODE in y = x/α, ρ = σ/α is dy/dρ = ε(x, t) (Zhang & Chen, eq. 13 in
-    this time change), so y_{t'} = y_t + ∫_{ρ_t}^{ρ_{t'}} ε dρ exactly. Both variants replace ε by
-    the polynomial through the last ``order`` predictions: tAB fits it in v = log ρ = −λ and
+    The probability-flow ODE in y = x/α, ρ = σ/α is dy/dρ = ε(x, t) (the exponential-integrator
+    form of Zhang & Chen, Sec. 3), so y_{t'} = y_t + ∫_{ρ_t}^{ρ_{t'}} ε dρ exactly. Both variants
+    replace ε by the polynomial through the last ``order`` predictions: tAB fits it in v = log ρ = −λ and
     integrates exactly (:func:`lagrange_exp_weights`; the discrete schedule has no continuous t,
     so v plays the role of DEIS's t, as in diffusers' "logrho" DEIS); iPNDM uses the fixed
     equal-step Adams–Bashforth weights times Δρ. Lower orders warm the history up, and the

@@ -43,6 +43,15 @@ def _value(metric: VolumeMetric, pred, target=None, **kw) -> float:
     return metric.compute()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The CPU runners are shared: two OpenMP threads on a loaded 2-core box spin-wait badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def vols():
     g = torch.Generator().manual_seed(0)

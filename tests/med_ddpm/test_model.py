@@ -71,3 +71,10 @@ def test_non_cubic_axes_are_not_mixed():
         a = net(x, torch.tensor([5]))
         b = net(x.permute(0, 1, 4, 3, 2).contiguous(), torch.tensor([5]))
     assert a.shape == (1, 1, 8, 16, 24) and b.shape == (1, 1, 24, 16, 8)
+
+
+def test_fresh_network_predicts_zero_like_the_original():
+    net = UNet3D(3, 1, 32, (1, 2), 1, (2,))
+    assert net.out[-1].weight.abs().sum() == 0
+    with torch.no_grad():
+        assert net(torch.randn(1, 3, 8, 8, 8), torch.tensor([3])).abs().max() == 0

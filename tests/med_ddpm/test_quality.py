@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from med_ddpm.quality import (
     equivalent_execution,
     fixed_noise,
     load_thresholds,
+    randomize_zero_init,
     run_trajectory,
 )
 from med_ddpm.samplers import DDPMSampler
@@ -35,6 +37,7 @@ def one_thread():
 def setup(one_thread):
     torch.manual_seed(0)
     net = UNet3D(in_channels=3, out_channels=1, model_channels=32, channel_mult=(1, 2), attention_ds=(2,)).eval()
+    randomize_zero_init(net)  # a fresh net predicts eps = 0: nothing to compare
     sampler = DDPMSampler(NoiseSchedule(timesteps=T))
     sampler.set_timesteps(T)
     cond = -torch.ones(2, 2, 8, 8, 8)
@@ -75,6 +78,7 @@ def test_fixed_noise_is_float32_seeded_and_order_independent():
 
 def test_reference_records_probes_at_default_timesteps(setup):
     reference = setup[-1]
+    assert all(e.abs().max() > 0.01 for e in reference.eps_probe.values())  # every path counts
     assert sorted(reference.eps_probe) == [0, 1, 2, 3]
     assert reference.probe_inputs[3].shape == (2, 3, 8, 8, 8)  # cat([x_t, cond])
     assert reference.samples.dtype == torch.float32 and reference.samples.device.type == "cpu"
@@ -147,3 +151,19 @@ def test_equivalent_execution_restores_flags():
     with equivalent_execution():
         assert torch.backends.cudnn.benchmark != bench
     assert torch.backends.cudnn.benchmark == bench and torch.get_num_threads() == threads
+
+
+@pytest.mark.slow
+def test_gate_from_config_on_the_real_configs():
+    from hydra import compose, initialize_config_dir
+
+    from med_ddpm.quality import gate_from_config
+
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=["model=tiny", "diffusion.timesteps=4", "sampler.steps=4",
+                                                      "recipe=[channels_last_3d]"])
+    report = gate_from_config(cfg, "cpu")
+    assert report.verdict == "pass" and report.metrics["eps_rel_l2"] < 1e-5  # layout change: math equivalent
+    assert {"fid_vs_real", "fid_vs_real_ref"} <= set(report.metrics)
+    json.dumps(report.to_dict(), allow_nan=False)

@@ -1,0 +1,276 @@
+"""Train Med-DDPM: ``python -m med_ddpm.train [experiment=whole_head] [data.root=...] ['recipe=[amp_bf16]']``.
+
+Reads top to bottom: :func:`build` turns the Hydra config into objects, :func:`fit` is
+the loop, and every recipe hook (session, prepare_model, prepare_input, forward_context,
+grad_scaler, non-finite guard) is visible in it. Defaults reproduce Med-DDPM's trainer:
+Adam 1e-5, batch 1, gradient accumulation 2, EMA 0.995 every 10 steps from step 2000, L1.
+
+Resumable: ``resume=auto`` continues from ``<output_dir>/checkpoints/last.pt``. The data
+order, t/noise draws and RNG states are saved, so a killed-and-resumed run ends with exactly
+the weights of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+
+from med_ddpm.checkpoint import read_checkpoint, save_checkpoint
+from med_ddpm.data import build_dataset
+from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
+from med_ddpm.errors import CheckpointError
+from med_ddpm.model import UNet3D, build_model
+from med_ddpm.sample import sampler_from_config
+from med_ddpm.samplers import sample
+from med_ddpm.tracking import Tracker, build_tracker
+from med_ddpm.utils import resolve_device, seed_everything
+from med_ddpm.volume_io import save_montage_png
+from optim import RecipeStack
+
+log = logging.getLogger("med_ddpm.train")
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+class EpochSampler(Sampler[int]):
+    """Endless, seeded shuffling that can start at any sample position.
+
+    Position p is sample ``perm_e[p % n]`` of epoch e = p // n, with perm_e drawn from
+    seed + e, so resuming at p replays exactly the order an uninterrupted run would see.
+    """
+
+    def __init__(self, n: int, seed: int, start: int = 0):
+        self.n, self.seed, self.start = n, seed, start
+
+    def __iter__(self) -> Iterator[int]:
+        p = self.start
+        while True:
+            epoch, offset = divmod(p, self.n)
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            for i in perm[offset:].tolist():
+                yield i
+            p = (epoch + 1) * self.n
+
+
+@dataclass
+class Job:
+    """Everything :func:`fit` needs, built once from the config."""
+
+    cfg: DictConfig
+    device: torch.device
+    dataset: Dataset
+    net: UNet3D  # the parameter holder (checkpoints, EMA); `model` may wrap it
+    model: torch.nn.Module
+    ema: AveragedModel
+    schedule: NoiseSchedule
+    stack: RecipeStack
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loss_gen: torch.Generator
+    tracker: Tracker
+    out_dir: Path
+    step: int = 0
+
+
+def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
+    """Image + mask channels of the data must be what the network takes and predicts."""
+    v = dataset.variant
+    if (v.image_channels, v.image_channels + v.cond_channels) != (model_cfg.out_channels, model_cfg.in_channels):
+        raise ValueError(
+            f"data variant {v.name!r} has {v.image_channels} image + {v.cond_channels} mask channels but the model "
+            f"takes in_channels={model_cfg.in_channels}, out_channels={model_cfg.out_channels}; "
+            "pick a matching model= / data.variant="
+        )
+
+
+def build(cfg: DictConfig) -> Job:
+    """Instantiate data, network, EMA, schedule, recipes, optimizer and tracker from ``cfg``."""
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    dataset = build_dataset(cfg.data, cfg.model.image_size)
+    check_compatible(dataset, cfg.model)
+    stack = RecipeStack.from_config(cfg.get("recipe"))
+    stack.require(device)
+    net = build_model(cfg.model).to(device)
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema_decay), use_buffers=True)
+    schedule = NoiseSchedule(cfg.diffusion.timesteps, cfg.diffusion.schedule, cfg.diffusion.cosine_s).to(device)
+    out_dir = Path(cfg.output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return Job(
+        cfg=cfg,
+        device=device,
+        dataset=dataset,
+        net=net,
+        model=net,  # fit() applies stack.prepare_model inside the recipe session
+        ema=ema,
+        schedule=schedule,
+        stack=stack,
+        optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr),
+        scaler=stack.grad_scaler(device.type),
+        loss_gen=torch.Generator(device).manual_seed(cfg.seed),
+        tracker=build_tracker(cfg.get("logger"), config=resolved),
+        out_dir=out_dir,
+    )
+
+
+def checkpoint_path(job: Job) -> Path | None:
+    """The checkpoint ``resume`` points at: ``auto`` = last.pt if present, else a path."""
+    resume = job.cfg.get("resume")
+    if not resume:
+        return None
+    path = job.out_dir / "checkpoints" / "last.pt" if resume == "auto" else Path(resume)
+    if resume == "auto" and not path.exists():
+        log.info("resume=auto: no %s yet, starting from step 0", path)
+        return None
+    return path
+
+
+def save(job: Job) -> None:
+    """last.pt every save (atomic), plus step_<N>.pt at the save_every cadence."""
+    state = dict(
+        model_state=job.net.state_dict(),
+        ema_state=job.ema.module.state_dict(),
+        config=OmegaConf.to_container(job.cfg, resolve=True),
+        step=job.step,
+        optimizer=job.optimizer.state_dict(),
+        scaler=job.scaler.state_dict(),
+        ema_n_averaged=job.ema.n_averaged.clone(),
+        rng={"torch": torch.get_rng_state(), "loss_gen": job.loss_gen.get_state(),
+             "cuda": torch.cuda.get_rng_state_all() if job.device.type == "cuda" else []},
+        skipped_steps=job.stack.guard.skipped,
+    )
+    ckpt_dir = job.out_dir / "checkpoints"
+    save_checkpoint(ckpt_dir / "last.pt", **state)
+    if job.step % job.cfg.train.save_every == 0:
+        save_checkpoint(ckpt_dir / f"step_{job.step:07d}.pt", **state)
+
+
+def restore(job: Job, path: Path) -> None:
+    """Load weights, EMA, optimizer, scaler, step and RNG states for an exact continuation."""
+    ckpt = read_checkpoint(path)
+    if ckpt.get("optimizer") is None:
+        raise CheckpointError(f"{path}: has no optimizer state; resume needs a training checkpoint of this project")
+    if ckpt["config"]["model"] != OmegaConf.to_container(job.cfg.model, resolve=True):
+        raise CheckpointError(f"{path}: model config differs from this run's (model={ckpt['config']['model']})")
+    job.net.load_state_dict(ckpt["model"])
+    job.ema.module.load_state_dict(ckpt["ema"])
+    job.ema.n_averaged.copy_(ckpt["ema_n_averaged"])
+    job.optimizer.load_state_dict(ckpt["optimizer"])
+    job.scaler.load_state_dict(ckpt["scaler"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    job.loss_gen.set_state(ckpt["rng"]["loss_gen"])
+    if ckpt["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    job.stack.guard.skipped = ckpt.get("skipped_steps", 0)
+    job.step = int(ckpt["step"])
+    log.info("resumed from %s at step %d", path, job.step)
+
+
+def update_ema(job: Job) -> None:
+    """Med-DDPM's schedule: every ``ema_every`` steps; a plain copy before ``ema_start``."""
+    if job.step % job.cfg.train.ema_every:
+        return
+    if job.step < job.cfg.train.ema_start:
+        job.ema.module.load_state_dict(job.net.state_dict())
+    else:
+        job.ema.update_parameters(job.net)
+
+
+@torch.no_grad()
+def sample_preview(job: Job, cond: torch.Tensor) -> Path:
+    """Sample one volume with the EMA weights for the first training mask; write a PNG montage."""
+    sampler = sampler_from_config(job.cfg.sampler, job.schedule)
+    x0 = sample(job.ema.module, sampler, cond[:1], progress=False, forward_context=job.stack.forward_context)
+    path = job.out_dir / "samples" / f"step_{job.step:07d}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_montage_png(x0[0].cpu(), cond[0].cpu(), path, title=f"EMA sample, step {job.step}")
+    return path
+
+
+def train_step(job: Job, batches: Iterator[dict]) -> float:
+    """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss (NaN if skipped)."""
+    cfg = job.cfg.train
+    job.optimizer.zero_grad(set_to_none=True)
+    total, finite = 0.0, True
+    for _ in range(cfg.grad_accum):
+        batch = next(batches)
+        x = job.stack.prepare_input(batch["image"].to(job.device, non_blocking=True))
+        cond = job.stack.prepare_input(batch["cond"].to(job.device, non_blocking=True))
+        with job.stack.forward_context():
+            loss = diffusion_loss(job.model, job.schedule, x, cond, loss_type=job.cfg.diffusion.loss_type,
+                                  generator=job.loss_gen)
+        if cfg.divide_loss_by_batch_size:  # Med-DDPM's trainer: loss.sum() / batch_size of a mean
+            loss = loss / x.shape[0]
+        finite &= job.stack.finite_or_skip(loss)
+        job.scaler.scale(loss / cfg.grad_accum).backward()
+        total += loss.item() / cfg.grad_accum
+    if finite:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+    return total if finite else float("nan")
+
+
+def fit(job: Job) -> dict[str, Any]:
+    """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints."""
+    cfg = job.cfg.train
+    with job.stack.session():
+        job.model = job.stack.prepare_model(job.net)
+        if (path := checkpoint_path(job)) is not None:
+            restore(job, path)
+        sampler = EpochSampler(len(job.dataset), job.cfg.seed, start=job.step * cfg.grad_accum * cfg.batch_size)
+        loader = DataLoader(job.dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                            num_workers=cfg.num_workers, pin_memory=job.device.type == "cuda")
+        batches = iter(loader)
+        if job.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(job.device)
+        bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not cfg.progress)
+        t0, start_step, loss = time.perf_counter(), job.step, float("nan")
+        while job.step < cfg.max_steps:
+            loss = train_step(job, batches)
+            job.step += 1
+            update_ema(job)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps:
+                job.tracker.log(metrics(job, loss, t0, start_step), step=job.step)
+            if cfg.sample_every and job.step % cfg.sample_every == 0:
+                png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
+                job.tracker.log_image("sample", png, step=job.step)
+            if job.step % cfg.save_every == 0 or job.step == cfg.max_steps:
+                save(job)
+        bar.close()
+        summary = metrics(job, loss, t0, start_step) | {"recipes": job.stack.describe()}
+    job.tracker.finish()
+    return summary
+
+
+def metrics(job: Job, loss: float, t0: float, start_step: int) -> dict[str, Any]:
+    elapsed = max(time.perf_counter() - t0, 1e-9)
+    out = {"loss": loss, "lr": job.optimizer.param_groups[0]["lr"], "step": job.step,
+           "it_per_s": (job.step - start_step) / elapsed, "skipped_steps": job.stack.guard.skipped}
+    if job.device.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.device) / 2**30
+    return out
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
+    summary = fit(build(cfg))
+    log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
+             summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
+    return summary["loss"]
+
+
+if __name__ == "__main__":
+    main()

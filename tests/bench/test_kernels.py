@@ -1,0 +1,64 @@
+"""The kernel categoriser on real kernel names, and the markdown/PNG writers."""
+
+import pytest
+
+from bench import kernels
+
+# Real names from torch.profiler traces of this network (H100/H200, torch 2.x, cuDNN 9).
+FIXTURE = {
+    "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1": "convolution",
+    "sm80_xmma_fprop_implicit_gemm_indexed_f32f32_f32f32_f32_nhwckrsc_nchw_tilesize64x64x8_stage3": "convolution",
+    "sm80_xmma_dgrad_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x16_stage4": "convolution",
+    "cudnn::cnn::wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>": "convolution",
+    "void implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>": "convolution",
+    "void cudnn::ops::nchwToNhwcKernel<float, float, float, true, false, (cudnnKernelDataType_t)2>": "layout conversion",
+    "void cudnn::ops::nhwcToNchwKernel<__nv_bfloat16, __nv_bfloat16, float, false, true>": "layout conversion",
+    "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float, float>(long, float, float const*, float*, float*)": "normalisation",
+    "void at::native::(anonymous namespace)::ComputeFusedParamsCUDAKernel<float>(long, long, long, float const*)": "normalisation",
+    "triton_red_fused_native_group_norm_silu_0": "normalisation",
+    "ampere_sgemm_128x64_tn": "GEMM and attention",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "GEMM and attention",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>": "GEMM and attention",
+    "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, Epilogue>(float*, float const*, int)": "GEMM and attention",
+    "void at::native::(anonymous namespace)::upsample_trilinear3d_out_frame<float, float>(int, float, float, float)": "up/down-sampling",
+    "void at::native::upsample_trilinear3d_backward_out_frame<c10::BFloat16, float>(unsigned long, int, int)": "up/down-sampling",
+    "Memcpy HtoD (Pageable -> Device)": "memory copies",
+    "Memset (Device)": "memory copies",
+    "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>>": "memory copies",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}, at::detail::Array<char*, 2>>": "elementwise / activation",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor<float, 4>>": "elementwise / activation",
+    "triton_poi_fused_add_convolution_0": "convolution",
+    "aten::mkldnn_convolution": "convolution",
+    "aten::native_group_norm": "normalisation",
+    "aten::upsample_trilinear3d": "up/down-sampling",
+    "aten::silu": "elementwise / activation",
+    "some_unknown_kernel_xyz": "other",
+}
+
+
+@pytest.mark.parametrize("name,category", FIXTURE.items())
+def test_categorise(name, category):
+    assert kernels.categorise(name) == category
+
+
+def test_tensor_core_heuristic():
+    assert kernels.is_tensor_core(next(n for n in FIXTURE if n.startswith("sm90_xmma_fprop")))
+    assert kernels.is_tensor_core(next(n for n in FIXTURE if "tf32f32_tf32f32" in n))
+    assert not kernels.is_tensor_core(next(n for n in FIXTURE if "f32f32_f32f32" in n))  # FFMA build
+    assert not kernels.is_tensor_core("ampere_sgemm_128x64_tn")
+    assert not kernels.is_tensor_core("void at::native::vectorized_elementwise_kernel<4, c10::BFloat16>")
+    assert kernels.tensor_core_share({"sm90_xmma_gemm_bf16bf16_x": 3.0, "ampere_sgemm_128x64_tn": 1.0}) == 0.75
+
+
+def test_markdown_and_png(tmp_path):
+    times, counts = kernels.aggregate([(n, 10.0) for n in FIXTURE] + [("Memset (Device)", 5.0)])
+    record = {"label": "amp_bf16", "scenario": "train_step", "activity": "GPU kernels", "steps": 2,
+              "categories_ms": {k: v / 1e3 / 2 for k, v in kernels.breakdown(times).items()},
+              "total_ms": sum(times.values()) / 1e3 / 2, "tensor_core_share": kernels.tensor_core_share(times),
+              "top": kernels.top_kernels(times, counts, 20)}
+    assert counts["Memset (Device)"] == 2 and len(record["top"]) == 20
+    assert record["top"][0]["name"] == "Memset (Device)"
+    text = kernels.markdown([record, {**record, "label": "fp32"}])
+    assert "| normalisation |" in text and "Top kernels: fp32" in text
+    kernels.stacked_bar_png([record], tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 1000

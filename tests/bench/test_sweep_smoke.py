@@ -1,0 +1,62 @@
+"""End-to-end CPU sweeps through Hydra multirun + per-job subprocesses (the bench_smoke experiment)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.ladder import compose_job
+from bench.records import read_rows
+from bench.worker import run_job
+
+REPO = Path(__file__).resolve().parents[2]
+IDENTITY = ("scenario", "model", "image_size", "batch_size", "recipes", "status", "flops", "precision", "message")
+
+
+def sweep(tmp_path: Path, *overrides: str) -> list[dict]:
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "bench.sweep", "-m", "experiment=bench_smoke", *overrides, f"hydra.sweep.dir={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_rows(out)
+
+
+def identity(rows):
+    return sorted(json.dumps({k: r.get(k) for k in IDENTITY}, sort_keys=True) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The default-suite sweep: one good job, one injected OOM, no baseline given (so one is added)."""
+    return sweep(tmp_path_factory.mktemp("smoke"), "recipe=[amp_bf16]", "bench.inject=null,oom")
+
+
+def test_smoke_sweep_rows_oom_and_added_baseline(smoke):
+    assert [(r["recipes"], r["status"]) for r in smoke] == [(["amp_bf16"], "ok"), (["amp_bf16"], "oom"), ([], "ok")]
+    good, oom, base = smoke
+    for r in (good, base):
+        assert r["ms_median"] > 0 and r["ms_p10"] <= r["ms_median"] <= r["ms_p90"]
+        assert r["volumes_per_s"] > 0 and r["flops"] > 0 and r["env"]["torch"] and r["message"] == ""
+        assert r["config"]["model"]["image_size"] == [8, 8, 8]
+    assert (good["precision"], base["precision"]) == ("bf16", "fp32")
+    assert good["describe"]["order"] == ["amp"] and base["describe"]["order"] == []
+    assert "out of memory" in oom["message"] and oom["ms_median"] is None
+    assert base["config"]["bench"]["inject"] is None  # the added baseline never inherits a fault
+
+
+@pytest.mark.slow
+def test_results_do_not_depend_on_job_order(tmp_path):
+    forward = sweep(tmp_path / "a", "recipe=[],[amp_bf16]", "bench=denoise_step", "bench.inject=null,nan")
+    backward = sweep(tmp_path / "b", "recipe=[amp_bf16],[]", "bench=denoise_step", "bench.inject=nan,null")
+    assert len(forward) == 4 and {r["status"] for r in forward} == {"ok", "nan"}
+    assert identity(backward) == identity(forward)
+
+
+@pytest.mark.slow
+def test_worker_crash_is_an_error_row(tmp_path):
+    job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.inject=segfault"], tmp_path)
+    row = run_job(job, tmp_path / "job", timeout_s=120)
+    assert row["status"] == "error" and "SIGSEGV" in row["message"]
+    assert row["env"]["torch"]  # the placeholder row written before the crash kept the environment

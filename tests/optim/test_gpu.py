@@ -1,0 +1,111 @@
+"""GPU-only checks (``pytest -m gpu`` on the device machine): every recipe and the standard
+combinations run a 128³ whole-head training step and 5 sampling steps; the Triton GroupNorm
+kernel matches the torch reference across shapes, layouts and dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import RECIPE_DIR, tiny_batch, tiny_unet, train_step
+from omegaconf import OmegaConf
+
+from med_ddpm.model import UNet3D
+from optim import RecipeStack
+
+pytestmark = pytest.mark.gpu
+WHOLE_HEAD = dict(in_channels=3, out_channels=1, model_channels=64, channel_mult=(1, 1, 2, 3, 4),
+                  num_res_blocks=1, attention_ds=(8,), num_heads=1, dropout=0.0)
+COMBOS = [["tf32", "channels_last_3d"], ["amp_bf16", "channels_last_3d"], ["amp_bf16", "compile"],
+          ["amp_bf16", "compile", "cuda_graphs"], ["amp_bf16", "fused_groupnorm", "sdpa_attention"]]
+SETS = [[p.stem] for p in sorted(RECIPE_DIR.glob("*.yaml"))] + COMBOS
+
+
+def stack_of(names: list[str]) -> RecipeStack:
+    return RecipeStack.from_config(OmegaConf.merge(*(OmegaConf.load(RECIPE_DIR / f"{n}.yaml") for n in names)))
+
+
+@pytest.fixture(autouse=True)
+def _cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("gpu-marked test run without CUDA")
+
+
+@pytest.mark.parametrize("names", SETS, ids=["+".join(s) for s in SETS])
+def test_whole_head_train_step_and_five_sampling_steps(names: list[str]) -> None:
+    stack = stack_of(names)
+    stack.require("cuda")
+    torch.manual_seed(0)
+    model = UNet3D(**WHOLE_HEAD).cuda()
+    x = torch.randn(1, 3, 128, 128, 128, device="cuda")
+    with stack.session():
+        model = stack.prepare_model(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+        scaler = stack.grad_scaler("cuda")
+        with stack.forward_context():
+            loss = F.l1_loss(model(stack.prepare_input(x), torch.tensor([10], device="cuda")).float(),
+                             torch.zeros(1, 1, 128, 128, 128, device="cuda"))
+        assert stack.finite_or_skip(loss)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        model.eval()
+        x_t = torch.randn(1, 1, 128, 128, 128, device="cuda")
+        with torch.no_grad():
+            for step in range(5):
+                with stack.forward_context():
+                    eps = model(stack.prepare_input(torch.cat([x_t, x[:, 1:]], 1)),
+                                torch.tensor([249 - step], device="cuda")).float()
+                x_t = x_t - 0.01 * eps
+        assert torch.isfinite(x_t).all()
+        stack.describe()
+
+
+@pytest.mark.parametrize("names", SETS, ids=["+".join(s) for s in SETS])
+def test_tiny_step_matches_baseline_on_gpu(names: list[str]) -> None:
+    stack = stack_of(names)
+    x, t, target = tiny_batch(size=16, device="cuda")
+    base = train_step(RecipeStack([]), tiny_unet().cuda(), x, t, target)
+    res = train_step(stack, tiny_unet().cuda(), x, t, target)
+    tol = max((r.tolerance for r in stack.recipes), key=lambda d: d["rtol"], default={"rtol": 0, "atol": 0})
+    err = (res.output - base.output).abs().max().item()
+    assert err <= tol["atol"] + tol["rtol"] * base.output.abs().max().item() or stack.exact and err == 0
+
+
+SHAPES = [(1, 64, 32, 32, 32), (2, 128, 16, 16, 16), (1, 64, 4096), (1, 32, 7, 9, 11), (3, 96, 5, 6, 7)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["ncdhw", "ndhwc"])
+@pytest.mark.parametrize("silu", [True, False], ids=["silu", "plain"])
+def test_triton_groupnorm_matches_reference(shape, dtype, channels_last, silu) -> None:
+    from optim.triton_groupnorm import group_norm_act_triton
+
+    if channels_last and len(shape) != 5:
+        pytest.skip("channels_last_3d is a 5-D layout")
+    x = (torch.randn(shape, device="cuda") * 3 + 2).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    w, b = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
+    ref = F.group_norm(x.float(), 32, w, b, 1e-5)
+    ref = F.silu(ref) if silu else ref
+    out = group_norm_act_triton(x, 32, w, b, 1e-5, silu, dtype)
+    assert out.dtype == dtype and out.stride() == x.stride()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=tol, atol=tol * 4)
+
+
+def test_fused_groupnorm_triton_backward_matches_torch() -> None:
+    from optim.fused_groupnorm import FusedGroupNormAct
+
+    norm = torch.nn.GroupNorm(32, 64).cuda()
+    x = torch.randn(1, 64, 16, 16, 16, device="cuda", requires_grad=True)
+    outs = []
+    for impl in ("triton", "torch"):
+        fused = FusedGroupNormAct.from_groupnorm(norm, "silu", impl)
+        y = fused(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, norm.weight, norm.bias])
+        outs.append((y, *grads))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,77 @@
+"""Recipe-specific behaviour the contract test cannot see: keys, layouts, deepcopy, swaps."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from conftest import tiny_batch, tiny_unet
+
+from optim import (
+    AttentionCore,
+    ChannelsLast3d,
+    FusedGroupNormAct,
+    SdpaAttentionCore,
+    apply_checkpointing,
+    fuse_groupnorm,
+    is_channels_last_3d,
+    use_sdpa_attention,
+)
+from optim.amp import autocast_for
+from optim.fused_groupnorm import group_norm_act_torch
+
+
+def test_surgery_keeps_state_dict_keys_and_counts() -> None:
+    model = tiny_unet()
+    keys = list(model.state_dict())
+    counts = fuse_groupnorm(model, impl="torch")
+    assert counts["fused_silu"] > 0 and counts["plain"] > 0
+    assert not [m for m in model.modules() if type(m) is torch.nn.GroupNorm or
+                (isinstance(m, torch.nn.GroupNorm) and not isinstance(m, FusedGroupNormAct))]
+    assert use_sdpa_attention(model) > 0 and not [m for m in model.modules() if type(m) is AttentionCore]
+    assert len(apply_checkpointing(model, "all")) > 0
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(tiny_unet(seed=3).state_dict())  # strict load still works
+
+
+def test_checkpointed_deepcopy_runs_the_copy() -> None:
+    model = tiny_unet()
+    apply_checkpointing(model, "resblocks")
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.zero_()
+    x, t, _ = tiny_batch(batch=1)
+    with torch.no_grad():
+        assert ema(x, t).abs().max() == 0 and model(x, t).abs().max() > 0
+
+
+def test_fused_groupnorm_matches_groupnorm32_under_bf16_autocast() -> None:
+    x = torch.randn(2, 64, 4, 4, 4)
+    norm = torch.nn.GroupNorm(32, 64)
+    fused = FusedGroupNormAct.from_groupnorm(norm, "silu", "torch")
+    with autocast_for("bfloat16", "cpu"):
+        ref = F.silu(norm(x.bfloat16().float()).type(torch.bfloat16))
+        out = fused(x.bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert torch.equal(group_norm_act_torch(x, 32, None, None, 1e-5, False), F.group_norm(x, 32))
+
+
+def test_sdpa_core_matches_reference_scale() -> None:
+    q, k, v = (torch.randn(2, 1, 64, 16) for _ in range(3))
+    torch.testing.assert_close(SdpaAttentionCore()(q, k, v), AttentionCore()(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_channels_last_audit_reports_where_layout_is_lost() -> None:
+    recipe = ChannelsLast3d(audit=True)
+    model = recipe.prepare_model(tiny_unet())
+    x, t, _ = tiny_batch(batch=1)
+    with torch.no_grad():
+        model(recipe.prepare_input(x), t)
+        report = recipe.describe()["layout_audit"]
+        assert report["done"] and report["checked_5d_outputs"] > 0
+        assert isinstance(report["lost_layout"], list)
+        hooks = sum(len(m._forward_hooks) for m in model.modules())
+        assert hooks == 0, "audit hooks must remove themselves after one forward"
+    assert is_channels_last_3d(recipe.prepare_input(x)) and recipe.prepare_input(t) is t
