@@ -21,7 +21,7 @@ from torch import nn
 
 from bench.scenarios import build_schedule, configured_sampler, make_inputs
 from med_ddpm.model import build_model
-from med_ddpm.quality import QualityGate, fixed_noise, run_trajectory
+from med_ddpm.quality import QualityGate, fixed_noise, randomize_zero_init, run_trajectory
 from med_ddpm.samplers import build_sampler
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
@@ -34,7 +34,7 @@ def _weights(cfg: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
         return load_checkpoint(cfg["bench"]["checkpoint"]).model.state_dict()
     seed_everything(int(cfg["seed"]))
-    return build_model(cfg["model"]).state_dict()
+    return randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"])).state_dict()
 
 
 def _network(cfg: Mapping[str, Any], weights: dict[str, torch.Tensor], device: torch.device) -> nn.Module:

@@ -6,6 +6,7 @@ Example:
     python -m bench.ladder out=results/h200 best=amp_bf16,compile # choose the "best stack" rows
     python -m bench.ladder out=results/smoke preset=smoke         # tiny CPU ladder
     python -m bench.ladder out=results/h200 dry_run=true          # list the jobs and their status
+    python -m bench.ladder out=results/h200 preset=core           # the short issue-8 ladder (one device session)
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
 than one 10-minute device command is finished by running the same command again. The time
@@ -78,6 +79,29 @@ def gpu_ladder(best: tuple[str, ...]) -> Iterator[Job]:
                     yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", _recipe(stack)]
 
 
+CORE_SETS: tuple[tuple[str, ...], ...] = (
+    (), ("tf32",), ("channels_last_3d",), ("tf32", "channels_last_3d"), ("amp_bf16",),
+    ("amp_bf16", "channels_last_3d"), ("amp_fp16",), ("amp_bf16", "fused_groupnorm", "sdpa_attention"),
+)
+
+
+def core_ladder(best: tuple[str, ...]) -> Iterator[Job]:
+    """The issue-8 evidence in one device session: the seed study's recipes + the best stack at
+    batch 1, 250-step DDPM and fast samplers with the best stack, batch scaling, BraTS memory."""
+    for scenario in ("denoise_step", "train_step"):
+        for stack in _unique([*CORE_SETS, best]):
+            yield [f"bench={scenario}", _recipe(stack)]
+    yield ["bench=full_sample", "sampler=ddpm", _recipe(best), "bench.iters=3"]
+    for sampler, steps in (("dpm_solver_pp", 10), ("dpm_solver_pp", 25), ("ddim", 25)):
+        yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", _recipe(best)]
+    for scenario in ("train_step", "denoise_step"):
+        for batch in BATCHES:
+            yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(best)]
+    yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing"))]
+    yield ["model=medddpm_brats", "bench=train_step", _recipe(("amp_bf16", "checkpointing"))]
+    yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
+
+
 def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     """The same shape on the tiny CPU model: every scenario, two stacks, two batch sizes."""
     for scenario in ("train_step", "denoise_step"):
@@ -86,7 +110,7 @@ def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
                 yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
 
 
-PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "smoke": smoke_ladder}
+PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "core": core_ladder, "smoke": smoke_ladder}
 
 
 def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:
@@ -145,7 +169,7 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run"):
-            raise SystemExit(f"bench.ladder: bad argument {arg!r}; expected out=DIR [preset=gpu|h200|smoke] "
+            raise SystemExit(f"bench.ladder: bad argument {arg!r}; expected out=DIR [preset={'|'.join(PRESETS)}] "
                              "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true]")
         args[key] = value
     if "out" not in args:

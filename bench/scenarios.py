@@ -38,6 +38,7 @@ from bench.timing import (
 )
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.model import build_model
+from med_ddpm.quality import randomize_zero_init
 from med_ddpm.samplers import Sampler, build_sampler, sample
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
@@ -187,7 +188,9 @@ def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, Re
     seed_everything(int(cfg["seed"]))
     flush(device)
     with stack.session():
-        model = stack.prepare_model(build_model(cfg["model"]).to(device))
+        # random (not zero-initialised) residual branches: real data through every kernel, real NaN checks
+        net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"]))
+        model = stack.prepare_model(net.to(device))
         schedule = build_schedule(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
         x0, cond = stack.prepare_input(x0), stack.prepare_input(cond)

@@ -57,8 +57,9 @@ def observable_globals() -> dict:
         "sdp": (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
                 torch.backends.cuda.math_sdp_enabled()),
         "compiling": torch.compiler.is_compiling(),
-        "dynamo_frames": len(torch._dynamo.eval_frame.cached_backends)
-        if hasattr(torch._dynamo.eval_frame, "cached_backends") else None,
+        # frames dynamo has converted: torch.compiler.reset() clears them, so a recipe that
+        # compiles and leaves its cache behind shows up here
+        "dynamo_input_codes": len(torch._dynamo.convert_frame.input_codes.seen),
     }
 
 
