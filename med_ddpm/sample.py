@@ -6,6 +6,10 @@ the weights). For every mask it writes ``<mask name>.nii.gz`` (``_k`` suffixes w
 (image | mask overlay). Fewer steps: ``sampler=ddim sampler.steps=50`` (or dpm_solver_pp, deis).
 Recipes apply as in training: ``'recipe=[tf32,amp_bf16]'``.
 
+Multi-GPU: ``torchrun --nproc_per_node=N -m med_ddpm.sample ...`` gives rank r the masks
+r, r+N, ...; each output is written once, by the rank that owns its mask. Mask i's noise comes
+from a generator keyed by (seed, i), so a volume does not depend on N or on the other masks.
+
 Example:
     python -m med_ddpm.sample checkpoint=runs/last.pt masks=data/whole_head/mask output_dir=samples
 """
@@ -21,13 +25,14 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from med_ddpm import distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.data import load_condition
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.errors import DataError
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import Sampler, build_sampler, sample
-from med_ddpm.utils import resolve_device, seed_everything
+from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png, save_volume_like
 from optim import RecipeStack
 
@@ -67,15 +72,15 @@ def sampling_geometry(loaded: Loaded, cfg: DictConfig) -> tuple[str, list[int], 
 
 
 def conditions(cfg: DictConfig, variant: str, size: list[int], resize_mode: str):
-    """Yield (name, cond (C,D,H,W), reference NIfTI or None) for each mask to sample."""
+    """Yield (mask index, name, cond (C,D,H,W), reference NIfTI or None) for this rank's masks."""
     if cfg.masks is None:
         phantoms = SyntheticPhantoms(num_volumes=2, image_size=size, variant=variant, seed=cfg.seed)
-        for i in range(len(phantoms)):
-            yield f"phantom_{i}", phantoms[i]["cond"], None
+        for i in distributed.shard(range(len(phantoms))):
+            yield i, f"phantom_{i}", phantoms[i]["cond"], None
         return
-    for path in list_masks(cfg.masks):
+    for i, path in distributed.shard(list(enumerate(list_masks(cfg.masks)))):
         cond, nifti = load_condition(path, variant, size, resize_mode=resize_mode)
-        yield path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
+        yield i, path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
 
 
 def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_dir: Path, resize_mode: str) -> Path:
@@ -88,22 +93,22 @@ def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_di
 
 
 def run(cfg: DictConfig) -> list[Path]:
-    """Load the checkpoint, then sample ``num_samples`` volumes for each mask with the recipe stack."""
+    """Load the checkpoint, then sample ``num_samples`` volumes for each of this rank's masks; returns its files."""
+    device = distributed.init_from_env(cfg.device)  # joins torchrun's process group, if any
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     variant, size, resize_mode = sampling_geometry(loaded, cfg)
     sampler = sampler_from_config(cfg.sampler, loaded.schedule.to(device))
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
-    out_dir = Path(cfg.output_dir)
-    generator = torch.Generator(device).manual_seed(cfg.seed)
+    out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
     written = []
     with stack.session():
         model = stack.prepare_model(loaded.model.to(device))
-        for name, cond, nifti in conditions(cfg, variant, size, resize_mode):
+        for index, name, cond, nifti in conditions(cfg, variant, size, resize_mode):
             c = stack.prepare_input(cond[None].to(device).expand(cfg.num_samples, *cond.shape))
-            x0 = sample(model, sampler, c, generator=generator, progress=cfg.progress,
+            generator = distributed.keyed_generator(device, cfg.seed, index)
+            x0 = sample(model, sampler, c, generator=generator, progress=cfg.progress and distributed.is_main(),
                         forward_context=stack.forward_context, out_channels=loaded.model.out_channels)
             for k in range(cfg.num_samples):
                 suffix = f"_{k}" if cfg.num_samples > 1 else ""
@@ -115,7 +120,10 @@ def run(cfg: DictConfig) -> list[Path]:
 @hydra.main(config_path=CONFIG_DIR, config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     written = run(cfg)
-    print(f"{len(written)} samples (NIfTI + PNG) in {Path(cfg.output_dir).resolve()}")
+    total = sum(distributed.all_gather_object(len(written)))  # also waits for every rank's files
+    if distributed.is_main():
+        print(f"{total} samples (NIfTI + PNG) in {Path(cfg.output_dir).resolve()}")
+    distributed.cleanup()
 
 
 if __name__ == "__main__":

@@ -6,13 +6,22 @@ grad_scaler, non-finite guard) is visible in it. Defaults reproduce Med-DDPM's t
 Adam 1e-5, batch 1, gradient accumulation 2, EMA 0.995 every 10 steps from step 2000, L1.
 
 Resumable: ``resume=auto`` continues from ``<output_dir>/checkpoints/last.pt``. The data
-order, t/noise draws and RNG states are saved, so a killed-and-resumed run ends with exactly
-the weights of an uninterrupted one.
+order and the t/noise draws are functions of the global sample position and the RNG states
+are saved, so a killed-and-resumed run ends with exactly the weights of an uninterrupted one.
+
+Multi-GPU: ``torchrun --nproc_per_node=N -m med_ddpm.train ...`` runs DistributedDataParallel.
+Each rank takes every N-th position of one global sample stream (:class:`EpochSampler`), and
+every sample's t and ε come from a generator keyed by (seed, global position), so N ranks
+with ``train.batch_size=b`` compute the gradient of one rank with batch N·b (DDP averages
+it). Resuming with a different N is therefore exact for weights, optimizer, EMA, data order
+and t/ε; only the per-rank global RNG (dropout, if any) is re-seeded. EMA, logs,
+checkpoints and previews happen on rank 0; the logged loss is the mean over ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +35,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
+from med_ddpm import distributed
 from med_ddpm.checkpoint import read_checkpoint, save_checkpoint
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
@@ -34,7 +44,7 @@ from med_ddpm.model import UNet3D, build_model
 from med_ddpm.sample import sampler_from_config
 from med_ddpm.samplers import sample
 from med_ddpm.tracking import Tracker, build_tracker
-from med_ddpm.utils import resolve_device, seed_everything
+from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
 
@@ -43,23 +53,25 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 class EpochSampler(Sampler[int]):
-    """Endless, seeded shuffling that can start at any sample position.
+    """Endless, seeded shuffling that can start at any global sample position, sharded over ranks.
 
-    Position p is sample ``perm_e[p % n]`` of epoch e = p // n, with perm_e drawn from
-    seed + e, so resuming at p replays exactly the order an uninterrupted run would see.
+    Global position p is sample ``perm_e[p % n]`` of epoch e = p // n, with perm_e drawn from
+    seed + e, so resuming at p replays exactly the order an uninterrupted run would see. Rank r
+    of W takes positions start + r, start + r + W, ...: the W ranks' k-th batches of b together
+    are global positions [start + k·W·b, start + (k+1)·W·b), one big batch split round-robin.
     """
 
-    def __init__(self, n: int, seed: int, start: int = 0):
-        self.n, self.seed, self.start = n, seed, start
+    def __init__(self, n: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1):
+        self.n, self.seed, self.start, self.rank, self.world_size = n, seed, start, rank, world_size
 
     def __iter__(self) -> Iterator[int]:
-        p = self.start
+        p, epoch, perm = self.start + self.rank, None, []
         while True:
-            epoch, offset = divmod(p, self.n)
-            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
-            for i in perm[offset:].tolist():
-                yield i
-            p = (epoch + 1) * self.n
+            e, offset = divmod(p, self.n)
+            if e != epoch:
+                epoch, perm = e, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + e)).tolist()
+            yield perm[offset]
+            p += self.world_size
 
 
 @dataclass
@@ -69,14 +81,13 @@ class Job:
     cfg: DictConfig
     device: torch.device
     dataset: Dataset
-    net: UNet3D  # the parameter holder (checkpoints, EMA); `model` may wrap it
+    net: UNet3D  # the parameter holder (checkpoints, EMA); `model` may wrap it (recipes, DDP)
     model: torch.nn.Module
-    ema: AveragedModel
+    ema: AveragedModel | None  # rank 0 only
     schedule: NoiseSchedule
     stack: RecipeStack
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    loss_gen: torch.Generator
     tracker: Tracker
     out_dir: Path
     step: int = 0
@@ -94,17 +105,22 @@ def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
 
 
 def build(cfg: DictConfig) -> Job:
-    """Instantiate data, network, EMA, schedule, recipes, optimizer and tracker from ``cfg``."""
-    seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
+    """Instantiate data, network, EMA, schedule, recipes, optimizer and tracker from ``cfg``.
+
+    Under torchrun this joins the process group first and takes this rank's GPU.
+    """
+    device = distributed.init_from_env(cfg.device)
+    seed_everything(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     dataset = build_dataset(cfg.data, cfg.model.image_size)
     check_compatible(dataset, cfg.model)
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
     net = build_model(cfg.model).to(device)
-    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema_decay), use_buffers=True)
+    rank0 = distributed.is_main()
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema_decay), use_buffers=True) if rank0 else None
+    seed_everything(cfg.seed + distributed.rank())  # per-rank dropout masks
     schedule = NoiseSchedule(cfg.diffusion.timesteps, cfg.diffusion.schedule, cfg.diffusion.cosine_s).to(device)
-    out_dir = Path(cfg.output_dir)
+    out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
     resolved = OmegaConf.to_container(cfg, resolve=True)
     return Job(
         cfg=cfg,
@@ -117,8 +133,7 @@ def build(cfg: DictConfig) -> Job:
         stack=stack,
         optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr),
         scaler=stack.grad_scaler(device.type),
-        loss_gen=torch.Generator(device).manual_seed(cfg.seed),
-        tracker=build_tracker(cfg.get("logger"), config=resolved),
+        tracker=build_tracker(cfg.get("logger") if rank0 else None, config=resolved),
         out_dir=out_dir,
     )
 
@@ -135,8 +150,23 @@ def checkpoint_path(job: Job) -> Path | None:
     return path
 
 
+def rng_state(job: Job) -> dict[str, torch.Tensor | None]:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
+
+
 def save(job: Job) -> None:
-    """last.pt every save (atomic), plus step_<N>.pt at the save_every cadence."""
+    """last.pt every save (atomic), plus step_<N>.pt at the save_every cadence.
+
+    Called on every rank (each contributes its RNG state); rank 0 writes, the rest wait.
+    """
+    rng = distributed.all_gather_object(rng_state(job))  # one entry per rank
+    if distributed.is_main():
+        write_checkpoints(job, rng)
+    distributed.barrier()
+
+
+def write_checkpoints(job: Job, rng: list[dict]) -> None:
     state = dict(
         model_state=job.net.state_dict(),
         ema_state=job.ema.module.state_dict(),
@@ -145,8 +175,8 @@ def save(job: Job) -> None:
         optimizer=job.optimizer.state_dict(),
         scaler=job.scaler.state_dict(),
         ema_n_averaged=job.ema.n_averaged.clone(),
-        rng={"torch": torch.get_rng_state(), "loss_gen": job.loss_gen.get_state(),
-             "cuda": torch.cuda.get_rng_state_all() if job.device.type == "cuda" else []},
+        rng=rng,
+        world_size=len(rng),
         skipped_steps=job.stack.guard.skipped,
     )
     ckpt_dir = job.out_dir / "checkpoints"
@@ -163,22 +193,33 @@ def restore(job: Job, path: Path) -> None:
     if ckpt["config"]["model"] != OmegaConf.to_container(job.cfg.model, resolve=True):
         raise CheckpointError(f"{path}: model config differs from this run's (model={ckpt['config']['model']})")
     job.net.load_state_dict(ckpt["model"])
-    job.ema.module.load_state_dict(ckpt["ema"])
-    job.ema.n_averaged.copy_(ckpt["ema_n_averaged"])
+    if job.ema is not None:
+        job.ema.module.load_state_dict(ckpt["ema"])
+        job.ema.n_averaged.copy_(ckpt["ema_n_averaged"])
     job.optimizer.load_state_dict(ckpt["optimizer"])
     job.scaler.load_state_dict(ckpt["scaler"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    job.loss_gen.set_state(ckpt["rng"]["loss_gen"])
-    if ckpt["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     job.stack.guard.skipped = ckpt.get("skipped_steps", 0)
     job.step = int(ckpt["step"])
+    restore_rng(job, ckpt["rng"])
     log.info("resumed from %s at step %d", path, job.step)
 
 
+def restore_rng(job: Job, rng: list[dict]) -> None:
+    """Each rank's own RNG state; with another world size, re-seed (only dropout draws from it)."""
+    if len(rng) != distributed.world_size():
+        log.info("resuming %d ranks from a %d-rank checkpoint: per-rank RNG re-seeded (data order and t/noise "
+                 "stay exact)", distributed.world_size(), len(rng))
+        seed_everything(distributed.derived_seed(job.cfg.seed, distributed.rank(), job.step))
+        return
+    mine = rng[distributed.rank()]
+    torch.set_rng_state(mine["torch"])
+    if mine["cuda"] is not None:
+        torch.cuda.set_rng_state(mine["cuda"], job.device)
+
+
 def update_ema(job: Job) -> None:
-    """Med-DDPM's schedule: every ``ema_every`` steps; a plain copy before ``ema_start``."""
-    if job.step % job.cfg.train.ema_every:
+    """Med-DDPM's schedule: every ``ema_every`` steps; a plain copy before ``ema_start`` (rank 0 only)."""
+    if job.ema is None or job.step % job.cfg.train.ema_every:
         return
     if job.step < job.cfg.train.ema_start:
         job.ema.module.load_state_dict(job.net.state_dict())
@@ -197,23 +238,47 @@ def sample_preview(job: Job, cond: torch.Tensor) -> Path:
     return path
 
 
+def draw_t_noise(job: Job, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """t ~ U{0, T−1} and ε ~ N(0, I) of each sample, from a generator keyed by its global position.
+
+    This rank's j-th sample of a micro-batch starting at global position ``first`` sits at
+    first + rank + W·j (:class:`EpochSampler`). Keying by position makes a sample's draws
+    independent of the rank and micro-batch it lands in, whatever the world size.
+    """
+    world, rank = distributed.world_size(), distributed.rank()
+    ts, noises = [], []
+    for j in range(x.shape[0]):
+        gen = distributed.keyed_generator(job.device, job.cfg.seed, first + rank + world * j)
+        ts.append(torch.randint(0, job.schedule.num_train_timesteps, (1,), device=job.device, generator=gen))
+        noises.append(torch.randn(x.shape[1:], device=job.device, generator=gen, dtype=torch.float32))
+    return torch.cat(ts), torch.stack(noises)
+
+
 def train_step(job: Job, batches: Iterator[dict]) -> float:
-    """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss (NaN if skipped)."""
+    """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss over ranks (NaN if skipped).
+
+    Gradients are all-reduced once, on the last micro-step (``no_sync`` before it).
+    """
     cfg = job.cfg.train
+    world = distributed.world_size()
     job.optimizer.zero_grad(set_to_none=True)
     total, finite = 0.0, True
-    for _ in range(cfg.grad_accum):
+    for micro in range(cfg.grad_accum):
         batch = next(batches)
         x = job.stack.prepare_input(batch["image"].to(job.device, non_blocking=True))
         cond = job.stack.prepare_input(batch["cond"].to(job.device, non_blocking=True))
-        with job.stack.forward_context():
-            loss = diffusion_loss(job.model, job.schedule, x, cond, loss_type=job.cfg.diffusion.loss_type,
-                                  generator=job.loss_gen)
-        if cfg.divide_loss_by_batch_size:  # Med-DDPM's trainer: loss.sum() / batch_size of a mean
-            loss = loss / x.shape[0]
-        finite &= job.stack.finite_or_skip(loss)
-        job.scaler.scale(loss / cfg.grad_accum).backward()
+        t, noise = draw_t_noise(job, x, first=(job.step * cfg.grad_accum + micro) * cfg.batch_size * world)
+        with distributed.sync_context(job.model, sync=micro == cfg.grad_accum - 1):
+            with job.stack.forward_context():
+                loss = diffusion_loss(job.model, job.schedule, x, cond, t=t, noise=noise,
+                                      loss_type=job.cfg.diffusion.loss_type)
+            if cfg.divide_loss_by_batch_size:  # Med-DDPM's trainer: loss.sum() / batch_size of a mean
+                loss = loss / (x.shape[0] * world)  # the global batch: N ranks of b == one rank of N·b
+            finite &= job.stack.finite_or_skip(loss)
+            job.scaler.scale(loss / cfg.grad_accum).backward()
         total += loss.item() / cfg.grad_accum
+    total = distributed.mean_over_ranks(total, job.device)
+    finite &= math.isfinite(total)  # every rank skips if any rank saw a NaN (its gradient is in the mean)
     if finite:
         job.scaler.step(job.optimizer)
         job.scaler.update()
@@ -223,17 +288,19 @@ def train_step(job: Job, batches: Iterator[dict]) -> float:
 def fit(job: Job) -> dict[str, Any]:
     """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints."""
     cfg = job.cfg.train
+    rank0, world = distributed.is_main(), distributed.world_size()
     with job.stack.session():
-        job.model = job.stack.prepare_model(job.net)
+        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
         if (path := checkpoint_path(job)) is not None:
             restore(job, path)
-        sampler = EpochSampler(len(job.dataset), job.cfg.seed, start=job.step * cfg.grad_accum * cfg.batch_size)
+        start = job.step * cfg.grad_accum * cfg.batch_size * world  # global sample position
+        sampler = EpochSampler(len(job.dataset), job.cfg.seed, start, distributed.rank(), world)
         loader = DataLoader(job.dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                             num_workers=cfg.num_workers, pin_memory=job.device.type == "cuda")
         batches = iter(loader)
         if job.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(job.device)
-        bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not cfg.progress)
+        bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
         t0, start_step, loss = time.perf_counter(), job.step, float("nan")
         while job.step < cfg.max_steps:
             loss = train_step(job, batches)
@@ -241,9 +308,9 @@ def fit(job: Job) -> dict[str, Any]:
             update_ema(job)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
-            if job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps:
+            if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
                 job.tracker.log(metrics(job, loss, t0, start_step), step=job.step)
-            if cfg.sample_every and job.step % cfg.sample_every == 0:
+            if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
                 png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
                 job.tracker.log_image("sample", png, step=job.step)
             if job.step % cfg.save_every == 0 or job.step == cfg.max_steps:
@@ -257,7 +324,8 @@ def fit(job: Job) -> dict[str, Any]:
 def metrics(job: Job, loss: float, t0: float, start_step: int) -> dict[str, Any]:
     elapsed = max(time.perf_counter() - t0, 1e-9)
     out = {"loss": loss, "lr": job.optimizer.param_groups[0]["lr"], "step": job.step,
-           "it_per_s": (job.step - start_step) / elapsed, "skipped_steps": job.stack.guard.skipped}
+           "it_per_s": (job.step - start_step) / elapsed, "skipped_steps": job.stack.guard.skipped,
+           "world_size": distributed.world_size()}
     if job.device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.device) / 2**30
     return out
@@ -267,8 +335,10 @@ def metrics(job: Job, loss: float, t0: float, start_step: int) -> dict[str, Any]
 def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
     summary = fit(build(cfg))
-    log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
-             summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
+    if distributed.is_main():
+        log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
+                 summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
+    distributed.cleanup()
     return summary["loss"]
 
 

@@ -28,6 +28,7 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             writer(f)
             f.flush()
@@ -38,6 +39,12 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -
             os.unlink(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
@@ -78,7 +85,10 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def git_sha() -> str:
-    """The repository's HEAD commit (with ``-dirty``), or ``unknown`` outside a checkout."""
+    """The repository's HEAD commit (with ``-dirty``); ``$MED_DDPM_GIT_SHA`` where there is no checkout
+    (a copied tree on a GPU machine), else ``unknown``."""
+    if os.environ.get("MED_DDPM_GIT_SHA"):
+        return os.environ["MED_DDPM_GIT_SHA"]
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(

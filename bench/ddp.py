@@ -1,0 +1,165 @@
+"""DDP scaling of the real training step: ``torchrun --nproc_per_node=N -m bench.ddp [overrides]``.
+
+Every rank times :func:`med_ddpm.train.train_step` (forward, loss, ``no_sync`` micro-steps,
+backward with DDP's gradient all-reduce, Adam, the all-reduced loss) on one batch held in
+memory, so the input pipeline is not measured. Rank 0 appends one ``results.jsonl`` row
+(:mod:`bench.records` schema, ``scenario="ddp_train_step"``) with:
+
+* ``ms_median`` of the slowest rank (the ranks wait for each other in the all-reduce),
+  ``ms_median_per_rank``;
+* ``volumes_per_s`` = world·batch·grad_accum / step time (all GPUs), ``volumes_per_s_per_gpu``;
+* ``scaling_efficiency`` = volumes_per_s / (world · 1-process volumes/s). The 1-process figure
+  is ``--baseline`` (volumes/s) or, by default, the latest ``world_size=1`` row of the same
+  workload in the results file: run ``--nproc_per_node=1`` first. A world of one is its own
+  baseline (DDP of one process: the wrapper's overhead is in it).
+
+Example (one node; the config overrides are the training ones):
+    torchrun --nproc_per_node=1 -m bench.ddp --out results/ddp model=medddpm_whole_head
+    torchrun --nproc_per_node=8 -m bench.ddp --out results/ddp model=medddpm_whole_head
+    python -m bench.report results/ddp
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+from torch.utils.data import default_collate
+
+from bench.records import IDENTITY_FIELDS, MEASURED_FIELDS, RESULTS_FILE, append_row, read_rows
+from bench.timing import active_precision, peak_memory_gib, time_fn, time_once
+from bench.worker import classify
+from med_ddpm import distributed
+from med_ddpm.train import CONFIG_DIR, Job, build, train_step
+from med_ddpm.utils import env_info
+
+SCENARIO = "ddp_train_step"
+WORKLOAD_FIELDS = (*IDENTITY_FIELDS, "grad_accum", "recipes")  # rows that share these are comparable
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="results/ddp", help=f"folder of the {RESULTS_FILE} row (default results/ddp)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first (default 5)")
+    p.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--baseline", type=float, default=None,
+                   help="1-process volumes/s; default: the results file's world_size=1 row of this workload")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/train.yaml (model=..., 'recipe=[...]')")
+    return p.parse_args(argv)
+
+
+def compose_config(overrides: list[str], out: Path):
+    """The training config (``configs/train.yaml`` + overrides) and the chosen model config's name."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*overrides, f"output_dir={out}", "train.progress=false"],
+                      return_hydra_config=True)
+    model_name = cfg.hydra.runtime.choices.get("model")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, model_name
+
+
+def memory_batches(job: Job):
+    """The first ``batch_size`` training volumes, collated once and repeated (no input pipeline timed)."""
+    b = job.cfg.train.batch_size
+    return itertools.repeat(default_collate([job.dataset[i % len(job.dataset)] for i in range(b)]))
+
+
+def time_ranks(job: Job, warmup: int, iters: int) -> dict[str, Any]:
+    """Time the training step on this rank inside the recipe session; return this rank's numbers."""
+    with job.stack.session():
+        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
+        batches = memory_batches(job)
+
+        def step() -> None:
+            train_step(job, batches)
+            job.step += 1
+
+        first_call_s = time_once(step, job.device)
+        timings = time_fn(step, warmup=warmup, iters=iters, device=job.device)
+        with job.stack.forward_context():
+            precision = active_precision(job.device.type)
+        describe = job.stack.describe()
+    return {"timings": timings, "first_call_s": first_call_s, "precision": precision, "describe": describe,
+            "peak_mem_gib": peak_memory_gib(job.device)}
+
+
+def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> float | None:
+    """Per-GPU volumes/s of the latest ok 1-process row of the same workload in ``path``."""
+    if not path.exists():
+        return None
+    same = [r for r in read_rows(path) if r.get("scenario") == SCENARIO and r.get("status") == "ok"
+            and r.get("world_size") == 1 and all(r.get(k) == row[k] for k in WORKLOAD_FIELDS)]
+    return same[-1]["volumes_per_s"] if same else None
+
+
+def base_row(cfg, model_name: str | None, world: int) -> dict[str, Any]:
+    return {
+        "scenario": SCENARIO, "model": model_name, "image_size": list(cfg.model.image_size),
+        "batch_size": int(cfg.train.batch_size), "grad_accum": int(cfg.train.grad_accum),
+        "sampler": None, "steps": None, "recipes": list(cfg.get("recipe") or {}), "world_size": world,
+        **dict.fromkeys(MEASURED_FIELDS), "status": "error", "message": "", "quality": None,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def measurements(cfg, ranks: list[dict[str, Any]], world: int, baseline: float | None, iters: int,
+                 warmup: int) -> dict[str, Any]:
+    """Row fields from every rank's timings: the slowest rank sets the step time."""
+    slowest = max(ranks, key=lambda r: r["timings"].median)
+    t = slowest["timings"]
+    per_gpu = cfg.train.batch_size * cfg.train.grad_accum / (t.median / 1e3)
+    total = per_gpu * world
+    if baseline is None and world == 1:
+        baseline = per_gpu
+    voxels = 1
+    for s in cfg.model.image_size:
+        voxels *= int(s)
+    return {
+        "ms_median": t.median, "ms_p10": t.p10, "ms_p90": t.p90, "iqr_pct": t.iqr_pct, "ms_mean": t.mean,
+        "ms_std": t.std, "iters": iters, "warmup": warmup, "first_call_s": max(r["first_call_s"] for r in ranks),
+        "compile_s": None, "peak_mem_gib": max((r["peak_mem_gib"] or 0.0) for r in ranks) or None,
+        "volumes_per_s": total, "voxels_per_s": total * voxels, "precision": slowest["precision"],
+        "describe": slowest["describe"], "volumes_per_s_per_gpu": per_gpu,
+        "ms_median_per_rank": [r["timings"].median for r in ranks],
+        "baseline_volumes_per_s": baseline,
+        "scaling_efficiency": total / (world * baseline) if baseline else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Run on every rank; rank 0 writes and returns the row."""
+    args = parse_args(argv)
+    out = Path(args.out)
+    cfg, model_name = compose_config(args.overrides, out)
+    job = build(cfg)  # joins torchrun's process group
+    world, results = distributed.world_size(), out / RESULTS_FILE
+    row = base_row(cfg, model_name, world) | {"env": env_info(job.device)}
+    start = time.perf_counter()
+    try:
+        mine = time_ranks(job, args.warmup, args.iters)
+    except Exception as err:  # the failing rank records why; torchrun then stops the others
+        row["status"], row["message"] = classify(err)
+        append_row(results, row | {"message": f"rank {distributed.rank()}: {row['message']}"})
+        raise
+    ranks = distributed.all_gather_object(mine)
+    if distributed.is_main():
+        baseline = args.baseline if args.baseline is not None else baseline_volumes_per_s(results, row)
+        row.update(measurements(cfg, ranks, world, baseline, args.iters, args.warmup), status="ok",
+                   wall_s=time.perf_counter() - start)
+        append_row(results, row)
+        eff = row["scaling_efficiency"]
+        print(f"{SCENARIO} world={world}: {row['ms_median']:.1f} ms/step, {row['volumes_per_s_per_gpu']:.2f} "
+              f"vol/s/GPU, {row['volumes_per_s']:.2f} vol/s total, scaling efficiency "
+              f"{'n/a (no 1-process baseline)' if eff is None else f'{eff:.1%}'} -> {results}")
+    distributed.cleanup()
+    return row if distributed.rank() == 0 else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""bench.ddp under a 2-process CPU torchrun: one results row with per-rank times and scaling efficiency."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.records import MEASURED_FIELDS, read_rows
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["model=tiny", "model.image_size=[16,16,16]", "model.channel_mult=[1,2]", "model.attention_ds=[2]",
+         "device=cpu", "train.grad_accum=1"]
+
+
+@pytest.mark.slow
+def test_ddp_bench_writes_a_scaling_row(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench.ddp",
+           "--out", str(tmp_path), "--warmup", "0", "--iters", "2", "--baseline", "2.0", *SMALL]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = read_rows(tmp_path)
+    assert row["scenario"] == "ddp_train_step" and row["status"] == "ok" and row["world_size"] == 2
+    assert set(MEASURED_FIELDS) <= row.keys() and len(row["ms_median_per_rank"]) == 2
+    assert row["volumes_per_s"] == pytest.approx(2 * row["volumes_per_s_per_gpu"])
+    assert row["scaling_efficiency"] == pytest.approx(row["volumes_per_s"] / (2 * 2.0))
+    assert row["env"]["torch"] and row["config"]["train"]["batch_size"] == 1
