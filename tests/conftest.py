@@ -27,3 +27,12 @@ def reference_dir(shared_dir: Path) -> Path:
 def _seed():
     torch.manual_seed(0)
 
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: two OpenMP threads on a loaded 2-core box spin-wait badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -43,13 +43,7 @@ def _value(metric: VolumeMetric, pred, target=None, **kw) -> float:
     return metric.compute()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The CPU runners are shared: two OpenMP threads on a loaded 2-core box spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,7 @@ SHAPE = (2, 1, 8, 8, 8)  # two samples of one mask, so distribution metrics run 
 T = 4  # DDPM over a 4-step cosine schedule keeps each trajectory well under a second on CPU
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The CPU runners are shared: two OpenMP threads on a loaded 2-core box spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
