@@ -47,8 +47,8 @@ bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 	@cat $(SWEEP_DIR)/report.md
 
-bench: $(STAMP) ## the standard GPU ladder (whole-head 128^3: train_step, denoise_step, full_sample; all recipes)
-	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR)
+bench: $(STAMP) ## the GPU ladder (whole-head 128^3 train/denoise/sample x recipes x batch; LADDER_ARGS='preset=core budget_s=540')
+	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 
 profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import nibabel as nib
 import torch
 from omegaconf import DictConfig
 
@@ -60,26 +61,40 @@ def list_masks(masks: str | None) -> list[Path]:
     return found
 
 
-def sampling_geometry(loaded: Loaded, cfg: DictConfig) -> tuple[str, list[int], str]:
-    """(data variant, model image size, resize mode): from our checkpoint's config, else the run config."""
+def sampling_geometry(loaded: Loaded, cfg: DictConfig) -> tuple[str, list[int] | None, str]:
+    """(data variant, model image size, resize mode).
+
+    The size is ``image_size`` when given; else the size this project's checkpoint was trained at;
+    else (an original Med-DDPM checkpoint, which records none) None: each mask's own size, as the
+    original sampling script does.
+    """
     saved = loaded.config
     variant = VARIANT_BY_OUT_CHANNELS.get(loaded.model.out_channels)
     if variant is None:
         raise ValueError(f"{cfg.checkpoint}: {loaded.model.out_channels} output channels match no known data variant")
+    resize_mode = saved.get("data", {}).get("resize_mode") or cfg.data.get("resize_mode", "crop_or_pad")
+    if cfg.get("image_size") is not None:
+        return variant, list(cfg.image_size), resize_mode
     if "data" in saved:  # this project's checkpoint: sample at the size it was trained at
-        return variant, list(saved["model"]["image_size"]), saved["data"].get("resize_mode", "crop_or_pad")
-    return variant, list(cfg.model.image_size), cfg.data.get("resize_mode", "crop_or_pad")
+        return variant, list(saved["model"]["image_size"]), resize_mode
+    return variant, None, resize_mode
 
 
-def conditions(cfg: DictConfig, variant: str, size: list[int], resize_mode: str):
+def native_size(mask_path: Path) -> list[int]:
+    """A mask's (D, H, W) in model axis order: NIfTI (i, j, k) reversed."""
+    return list(reversed(nib.load(mask_path).shape[:3]))
+
+
+def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str):
     """Yield (mask index, name, cond (C,D,H,W), reference NIfTI or None) for this rank's masks."""
     if cfg.masks is None:
+        size = size or list(cfg.model.image_size)
         phantoms = SyntheticPhantoms(num_volumes=2, image_size=size, variant=variant, seed=cfg.seed)
         for i in distributed.shard(range(len(phantoms))):
             yield i, f"phantom_{i}", phantoms[i]["cond"], None
         return
     for i, path in distributed.shard(list(enumerate(list_masks(cfg.masks)))):
-        cond, nifti = load_condition(path, variant, size, resize_mode=resize_mode)
+        cond, nifti = load_condition(path, variant, size or native_size(path), resize_mode=resize_mode)
         yield i, path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
 
 

@@ -121,3 +121,18 @@ def test_sample_cli_writes_nifti_with_the_mask_affine(trained, shared_dir, tmp_p
 def test_sample_loads_what_train_saved(trained):
     loaded = load_checkpoint(trained)
     assert loaded.step == 2 and loaded.config["model"]["channel_mult"] == [1, 2]
+
+
+def test_sample_cli_takes_an_original_medddpm_checkpoint(reference_dir, tmp_path):
+    """The original format carries no image size: each mask is sampled at its own size."""
+    from med_ddpm.phantoms import write_phantom_niftis
+
+    write_phantom_niftis(tmp_path / "data", 1, (32, 32, 32))
+    mask = next((tmp_path / "data" / "mask").glob("*.nii.gz"))
+    ckpt = reference_dir / "wholehead_small_ckpt.pt"
+    cfg = cfg_for("sample", tmp_path / "out", f"checkpoint={ckpt}", f"masks={mask}", "sampler=ddim",
+                  "sampler.steps=2")
+    (written,) = run_sample(cfg)
+    out = nib.load(written)
+    assert out.shape == (32, 32, 32) and np.isfinite(out.get_fdata()).all()
+    np.testing.assert_array_equal(out.affine, nib.load(mask).affine)

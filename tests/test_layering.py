@@ -1,0 +1,39 @@
+"""The dependency direction is bench -> med_ddpm -> optim -> torch (README); check it from the sources."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FORBIDDEN = {"optim": {"med_ddpm", "bench"}, "med_ddpm": {"bench"}}
+
+
+def imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_upward_imports(package):
+    files = sorted((REPO / package).glob("*.py"))
+    assert files
+    bad = {f.name: imported_packages(f) & FORBIDDEN[package] for f in files}
+    assert not {k: v for k, v in bad.items() if v}, f"{package} must not import {FORBIDDEN[package]}: {bad}"
+
+
+def test_wandb_is_imported_lazily():
+    """logger=none must work without wandb: no module-level `import wandb` anywhere."""
+    for path in [*REPO.glob("med_ddpm/*.py"), *REPO.glob("bench/*.py"), *REPO.glob("optim/*.py")]:
+        top = ast.parse(path.read_text()).body
+        mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        assert "wandb" not in mods, path
