@@ -136,3 +136,11 @@ def test_sample_cli_takes_an_original_medddpm_checkpoint(reference_dir, tmp_path
     out = nib.load(written)
     assert out.shape == (32, 32, 32) and np.isfinite(out.get_fdata()).all()
     np.testing.assert_array_equal(out.affine, nib.load(mask).affine)
+
+
+def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    fit(build(cfg_for("train", tmp_path, "logger=wandb", "logger.log_every=1", "train.max_steps=2",
+                      "train.grad_accum=1")))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
