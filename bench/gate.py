@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.scenarios import build_schedule, configured_sampler, make_inputs
+from bench.scenarios import make_inputs
+from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import build_model
 from med_ddpm.quality import QualityGate, fixed_noise, randomize_zero_init, run_trajectory
-from med_ddpm.samplers import build_sampler
+from med_ddpm.samplers import build_sampler, sampler_from_config
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
@@ -46,7 +47,7 @@ def _network(cfg: Mapping[str, Any], weights: dict[str, torch.Tensor], device: t
 def quality_report(cfg: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """Verdict and numbers of the job's stack + sampler against strict-FP32 DDPM (a JSON-able dict)."""
     weights = _weights(cfg)
-    schedule = build_schedule(cfg["diffusion"]).to(device)
+    schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
     batch = int(cfg["bench"]["batch_size"])
     _, cond = make_inputs(cfg["model"], batch, device, int(cfg["seed"]))
     reference_sampler = build_sampler("ddpm", schedule)
@@ -57,7 +58,7 @@ def quality_report(cfg: Mapping[str, Any], device: torch.device) -> dict[str, An
     stack = RecipeStack.from_config(cfg.get("recipe") or {})
     with stack.session():
         model = stack.prepare_model(_network(cfg, weights, device))
-        candidate = run_trajectory(model, configured_sampler(cfg["sampler"], schedule), stack.prepare_input(cond),
+        candidate = run_trajectory(model, sampler_from_config(cfg["sampler"], schedule), stack.prepare_input(cond),
                                    noise, probe_inputs=reference.probe_inputs,
                                    forward_context=stack.forward_context)
     return QualityGate.from_config(cfg["quality"]).run(reference, candidate).to_dict()

@@ -28,24 +28,34 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
                       r"ComputeFusedParams|Compute1dBackwardFusedParams|GammaBetaBackward|ComputeInternalGradients"),
     ("convolution", r"conv|fprop|dgrad|wgrad|implicit_gemm|winograd|vol2col|im2col|col2vol|fft\d*d?_"),
     ("up/down-sampling", r"upsample|interpolate|trilinear|nearest|pool|grid_sampl"),
-    ("GEMM and attention", r"gemm|gemv|matmul|\bmm\b|aten::mm|bmm|addmm|cublas|flash|fmha|attention|softmax|"
+    ("GEMM and attention", r"nvjet|gemm|gemv|matmul|\bmm\b|aten::mm|bmm|addmm|cublas|flash|fmha|attention|softmax|"
                            r"scaled_dot_product"),
     ("memory copies", r"memcpy|memset|direct_copy|copy_kernel|aten::copy_|CatArrayBatchedCopy|aten::cat|to_copy"),
     ("elementwise / activation", r"elementwise|vectorized|silu|gelu|relu|sigmoid|tanh|triton_(poi|per|red)|"
                                  r"reduce_kernel|multi_tensor_apply|adam|fill|aten::(add|mul|sub|div|where|clamp|"
                                  r"exp|sum|mean|abs|neg|rsub|pow|sqrt)"),
 )
+# Inductor names a fused Triton kernel after every aten op it absorbed ("..._convolution_mul_silu_...":
+# a conv's bias add, not a convolution); it never runs a conv or GEMM itself, so it is classified by
+# these rules first, and what is left is elementwise.
+INDUCTOR = re.compile(r"^triton_(poi|per|red)_", re.IGNORECASE)
+INDUCTOR_RULES: tuple[tuple[str, str], ...] = (
+    ("normalisation", r"group_norm|batch_norm|layer_norm|native_norm"),
+    ("up/down-sampling", r"unsafe_index|upsample|interpolate"),
+    ("elementwise / activation", r"."),
+)
 OTHER = "other"
 CATEGORY_NAMES = tuple(c for c, _ in CATEGORIES) + (OTHER,)
 _RULES = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in CATEGORIES]
-TENSOR_CORE = re.compile(r"hmma|wgmma|gmma|imma|tensorop|h884|h1688|h16816|s1688|s16816|flash|fmha|"
+_INDUCTOR_RULES = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in INDUCTOR_RULES]
+TENSOR_CORE = re.compile(r"nvjet|hmma|wgmma|gmma|imma|tensorop|h884|h1688|h16816|s1688|s16816|flash|fmha|"
                          r"tf32|bf16|f16|fp16|half", re.IGNORECASE)
 MATH_CATEGORIES = ("convolution", "GEMM and attention")
 
 
 def categorise(name: str) -> str:
     """Category of one kernel (or CPU operator) name."""
-    for category, rule in _RULES:
+    for category, rule in _INDUCTOR_RULES if INDUCTOR.search(name) else _RULES:
         if rule.search(name):
             return category
     return OTHER

@@ -39,13 +39,12 @@ from bench.timing import (
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.model import build_model
 from med_ddpm.quality import randomize_zero_init
-from med_ddpm.samplers import Sampler, build_sampler, sample
+from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
 Step = Callable[[], torch.Tensor]
 ADAM_LR = 1e-5  # Med-DDPM's training learning rate
-SCHEDULE_KEYS = ("timesteps", "schedule", "cosine_s")
 COMPILING_RECIPES = ("compile", "cuda_graphs")  # first call captures/compiles: reported as compile_s
 
 
@@ -55,10 +54,6 @@ class UnsupportedStack(RuntimeError):
 
 class NonFiniteOutput(RuntimeError):
     """The step produced NaN/Inf (loss or sample): a ``nan`` row, not a timing."""
-
-
-def build_schedule(diffusion_cfg: Mapping) -> NoiseSchedule:
-    return NoiseSchedule(**{k: diffusion_cfg[k] for k in SCHEDULE_KEYS if k in diffusion_cfg})
 
 
 def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,17 +106,11 @@ def _denoise_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack,
     return step
 
 
-def configured_sampler(sampler_cfg: Mapping, schedule: NoiseSchedule) -> Sampler:
-    """The ``sampler`` config node as a sampler with its timesteps set."""
-    extra = {k: v for k, v in sampler_cfg.items() if k not in ("name", "steps", "_target_")}
-    return build_sampler(sampler_cfg["name"], schedule, steps=sampler_cfg.get("steps"), **extra)
-
-
 def _full_sample(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
                  cond: torch.Tensor, cfg: Mapping) -> Step:
     """The full reverse chain with the configured sampler and steps (``med_ddpm.sample``'s loop)."""
     model.eval()
-    sampler = configured_sampler(cfg["sampler"], schedule)
+    sampler = sampler_from_config(cfg["sampler"], schedule)
     gen = torch.Generator(device=x0.device).manual_seed(int(cfg["seed"]))
 
     def step() -> torch.Tensor:
@@ -191,7 +180,7 @@ def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, Re
         # random (not zero-initialised) residual branches: real data through every kernel, real NaN checks
         net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"]))
         model = stack.prepare_model(net.to(device))
-        schedule = build_schedule(cfg["diffusion"]).to(device)
+        schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
         x0, cond = stack.prepare_input(x0), stack.prepare_input(cond)
         yield SCENARIOS[bench["scenario"]](model, schedule, stack, x0, cond, cfg), stack
@@ -200,8 +189,9 @@ def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, Re
 def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step], Step] | None = None) -> dict[str, Any]:
     """Warm up and time one scenario under its recipe stack; return the row's measurements.
 
-    The first call is timed on its own (``first_call_s``; ``compile_s`` when the stack
-    compiles or captures graphs), then ``bench.warmup`` untimed and ``bench.iters`` timed calls.
+    The first call is timed on its own (``first_call_s``; when the stack compiles or captures
+    graphs, ``compile_s`` = that less the median call), then ``bench.warmup`` untimed and
+    ``bench.iters`` timed calls.
 
     Args:
         cfg: resolved bench config (``model``, ``diffusion``, ``sampler``, ``recipe``, ``bench``, ``seed``).
@@ -210,7 +200,7 @@ def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step],
 
     Raises:
         UnsupportedStack: a recipe cannot run on ``device``.
-        NonFiniteOutput: the first or last timed call produced NaN/Inf.
+        NonFiniteOutput: the first or last timed call produced NaN/Inf, or the guard skipped a step.
     """
     bench = cfg["bench"]
     with prepared_step(cfg, device) as (step, stack):
@@ -222,6 +212,8 @@ def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step],
         timings = time_fn(lambda: last.update(out=step()), warmup=int(bench["warmup"]),
                           iters=int(bench["iters"]), device=device)
         _check_finite(last["out"], "after the timed calls")
+        if stack.guard.skipped:  # a skipped step is not the step being timed
+            raise NonFiniteOutput(f"{stack.guard.skipped} step(s) skipped by the non-finite-loss guard while timing")
         with stack.forward_context():
             precision = active_precision(device.type)
         describe = stack.describe()
@@ -240,7 +232,8 @@ def _measurements(cfg: Mapping, device: torch.device, timings, first_call_s: flo
         "ms_median": timings.median, "ms_p10": timings.p10, "ms_p90": timings.p90,
         "iqr_pct": timings.iqr_pct, "ms_mean": timings.mean, "ms_std": timings.std,
         "iters": len(timings.samples), "warmup": int(cfg["bench"]["warmup"]),
-        "first_call_s": first_call_s, "compile_s": first_call_s if compiles else None,
+        # compile time = the first call's wall time less one ordinary call
+        "first_call_s": first_call_s, "compile_s": first_call_s - seconds if compiles else None,
         "peak_mem_gib": peak_memory_gib(device),
         "volumes_per_s": batch / seconds,
         "voxels_per_s": batch * math.prod(cfg["model"]["image_size"]) / seconds,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ class Loaded:
     schedule: NoiseSchedule
     config: dict[str, Any]
     step: int
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 def _listed(keys) -> str:
@@ -161,7 +160,7 @@ def _load_medddpm(ckpt: dict, weights: str, source: str, num_heads: int) -> Load
     model = build_model(model_cfg)
     load_into(model, net, source)
     config = {"model": model_cfg, "diffusion": diffusion_cfg, "source": "medddpm", "weights": weights}
-    return Loaded(model.eval(), schedule, config, int(ckpt.get("step", 0)), ckpt)
+    return Loaded(model.eval(), schedule, config, int(ckpt.get("step", 0)))
 
 
 def _load_own(ckpt: dict, weights: str, source: str) -> Loaded:
@@ -170,9 +169,8 @@ def _load_own(ckpt: dict, weights: str, source: str) -> Loaded:
         raise CheckpointError(f"{source}: checkpoint config lacks 'model'/'diffusion' sections")
     model = build_model(config["model"])
     load_into(model, ckpt[weights], source)
-    d = config["diffusion"]
-    schedule = NoiseSchedule(d.get("timesteps", 250), d.get("schedule", "cosine"), d.get("cosine_s", 0.008))
-    return Loaded(model.eval(), schedule, dict(config, source=FORMAT, weights=weights), int(ckpt["step"]), ckpt)
+    schedule = NoiseSchedule.from_config(config["diffusion"])
+    return Loaded(model.eval(), schedule, dict(config, source=FORMAT, weights=weights), int(ckpt["step"]))
 
 
 def load_checkpoint(path: str | os.PathLike, weights: str = "ema", *, num_heads: int = 1) -> Loaded:

@@ -43,7 +43,7 @@ from monai.transforms import (
     ScaleIntensityd,
     Transposed,
 )
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from med_ddpm.errors import DataError
 
@@ -561,10 +561,3 @@ def load_condition(mask_path: str | Path, variant: str, image_size: Sequence[int
     transform = build_transforms(spec, image_size, resize_mode=resize_mode, keys=keys)
     return transform(record)["cond"], nifti
 
-
-def build_dataloader(dataset: Dataset, batch_size: int = 1, *, shuffle: bool = True, num_workers: int = 0,
-                     seed: int = 0, drop_last: bool = True) -> DataLoader:
-    """DataLoader with a seeded shuffle order, so a resumed run can replay the same sequence."""
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-                      generator=generator, drop_last=drop_last, persistent_workers=num_workers > 0)

@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,6 +107,12 @@ class NoiseSchedule(nn.Module):
         self.cosine_s = cosine_s
         for name, value in schedule_arrays(betas).items():
             self.register_buffer(name, torch.tensor(value, dtype=torch.float32))
+
+    @classmethod
+    def from_config(cls, node: Mapping[str, Any] | None) -> NoiseSchedule:
+        """From a ``diffusion`` config node (``timesteps``, ``schedule``, ``cosine_s``; Med-DDPM's defaults)."""
+        node = node or {}
+        return cls(node.get("timesteps", 250), node.get("schedule", "cosine"), node.get("cosine_s", 0.008))
 
     @property
     def num_train_timesteps(self) -> int:

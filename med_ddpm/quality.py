@@ -60,7 +60,7 @@ from med_ddpm.metrics import (
     VolumeMetric,
     region_mask,
 )
-from med_ddpm.samplers import DDPMSampler, Sampler, build_sampler, sample
+from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
 VERDICTS = ("pass", "warn", "fail")
@@ -460,8 +460,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     T = schedule.num_train_timesteps
     ddpm = DDPMSampler(schedule)
     ddpm.set_timesteps(T)
-    spec = dict(cfg.get("sampler") or {"name": "ddpm"})
-    sampler = build_sampler(spec.pop("name"), schedule, spec.pop("steps", None), **spec)
+    sampler = sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule)
     noise = fixed_noise((n_samples, model.out_channels, *cond.shape[2:]), T, seed, device)
     thresholds = {**(cfg.get("quality") or load_thresholds()), "cond_layout": variant}
     floor = None
@@ -498,13 +497,11 @@ def _gate_model(cfg: Mapping[str, Any], checkpoint: str | None, seed: int):
     if checkpoint is not None:
         loaded = load_checkpoint(checkpoint)
         return loaded.model, loaded.schedule
-    diffusion = cfg.get("diffusion") or {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build_model(cfg["model"])
     randomize_zero_init(model, seed)
-    schedule = NoiseSchedule(diffusion.get("timesteps", 250), diffusion.get("schedule", "cosine"),
-                             diffusion.get("cosine_s", 0.008))
+    schedule = NoiseSchedule.from_config(cfg.get("diffusion"))
     return model, schedule
 
 

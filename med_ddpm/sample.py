@@ -17,9 +17,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import hydra
 import nibabel as nib
@@ -29,10 +27,9 @@ from omegaconf import DictConfig
 from med_ddpm import distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.data import load_condition
-from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.errors import DataError
 from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.samplers import Sampler, build_sampler, sample
+from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png, save_volume_like
 from optim import RecipeStack
@@ -40,12 +37,6 @@ from optim import RecipeStack
 log = logging.getLogger("med_ddpm.sample")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 VARIANT_BY_OUT_CHANNELS = {1: "whole_head", 4: "brats"}
-
-
-def sampler_from_config(node: Mapping[str, Any], schedule: NoiseSchedule) -> Sampler:
-    """A sampler from a ``sampler`` config node (``name``, ``steps`` and sampler-specific keys)."""
-    extra = {k: v for k, v in node.items() if k not in ("name", "steps")}
-    return build_sampler(node["name"], schedule, node.get("steps"), **extra)
 
 
 def list_masks(masks: str | None) -> list[Path]:
@@ -85,7 +76,7 @@ def native_size(mask_path: Path) -> list[int]:
     return list(reversed(nib.load(mask_path).shape[:3]))
 
 
-def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str):
+def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str, levels: int):
     """Yield (mask index, name, cond (C,D,H,W), reference NIfTI or None) for this rank's masks."""
     if cfg.masks is None:
         size = size or list(cfg.model.image_size)
@@ -94,8 +85,18 @@ def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mod
             yield i, f"phantom_{i}", phantoms[i]["cond"], None
         return
     for i, path in distributed.shard(list(enumerate(list_masks(cfg.masks)))):
-        cond, nifti = load_condition(path, variant, size or native_size(path), resize_mode=resize_mode)
+        cond, nifti = load_condition(path, variant, size or native_size(path), resize_mode=resize_mode,
+                                     seg_labels=cfg.data.get("seg_labels", "auto"))
+        check_divisible(cond.shape[1:], levels, path)
         yield i, path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
+
+
+def check_divisible(size, levels: int, path: Path) -> None:
+    """Each axis must halve ``levels - 1`` times for the U-Net's skips to line up."""
+    step = 2 ** (levels - 1)
+    if any(s % step for s in size):
+        raise DataError(f"{path}: model size {list(size)} (D, H, W) is not divisible by {step} for a "
+                        f"{levels}-level U-Net; pass image_size=[D,H,W] (e.g. [144,192,192] for BraTS)")
 
 
 def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_dir: Path, resize_mode: str) -> Path:
@@ -120,7 +121,7 @@ def run(cfg: DictConfig) -> list[Path]:
     written = []
     with stack.session():
         model = stack.prepare_model(loaded.model.to(device))
-        for index, name, cond, nifti in conditions(cfg, variant, size, resize_mode):
+        for index, name, cond, nifti in conditions(cfg, variant, size, resize_mode, len(loaded.model.config["channel_mult"])):
             c = stack.prepare_input(cond[None].to(device).expand(cfg.num_samples, *cond.shape))
             generator = distributed.keyed_generator(device, cfg.seed, index)
             x0 = sample(model, sampler, c, generator=generator, progress=cfg.progress and distributed.is_main(),

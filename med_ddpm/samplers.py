@@ -17,9 +17,10 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -369,6 +370,12 @@ def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, 
     sampler.set_timesteps(steps or schedule.num_train_timesteps)
     return sampler
 
+
+
+def sampler_from_config(node: Mapping[str, Any], schedule: NoiseSchedule) -> Sampler:
+    """A sampler from a ``sampler`` config node (``name``, ``steps`` and its own keys), timesteps set."""
+    extra = {k: v for k, v in node.items() if k not in ("name", "steps", "_target_")}
+    return build_sampler(node["name"], schedule, node.get("steps"), **extra)
 
 @torch.no_grad()
 def sample(

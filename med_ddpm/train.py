@@ -21,7 +21,6 @@ checkpoints and previews happen on rank 0; the logged loss is the mean over rank
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,8 +40,7 @@ from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.errors import CheckpointError
 from med_ddpm.model import UNet3D, build_model
-from med_ddpm.sample import sampler_from_config
-from med_ddpm.samplers import sample
+from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.tracking import Tracker, build_tracker
 from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png
@@ -117,9 +115,9 @@ def build(cfg: DictConfig) -> Job:
     stack.require(device)
     net = build_model(cfg.model).to(device)
     rank0 = distributed.is_main()
-    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(cfg.train.ema_decay), use_buffers=True) if rank0 else None
+    ema = new_ema(net, cfg.train.ema_decay) if rank0 else None
     seed_everything(cfg.seed + distributed.rank())  # per-rank dropout masks
-    schedule = NoiseSchedule(cfg.diffusion.timesteps, cfg.diffusion.schedule, cfg.diffusion.cosine_s).to(device)
+    schedule = NoiseSchedule.from_config(cfg.diffusion).to(device)
     out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
     resolved = OmegaConf.to_container(cfg, resolve=True)
     return Job(
@@ -217,8 +215,18 @@ def restore_rng(job: Job, rng: list[dict]) -> None:
         torch.cuda.set_rng_state(mine["cuda"], job.device)
 
 
+def new_ema(net: UNet3D, decay: float) -> AveragedModel:
+    """EMA θ' ← decay·θ' + (1 − decay)·θ. Its initial copy counts as one average (``n_averaged = 1``),
+    so the first update averages, as Med-DDPM's ``update_model_average`` does, instead of copying."""
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    ema.n_averaged.fill_(1)
+    return ema
+
+
 def update_ema(job: Job) -> None:
-    """Med-DDPM's schedule: every ``ema_every`` steps; a plain copy before ``ema_start`` (rank 0 only)."""
+    """Med-DDPM's ``step_ema`` after the optimizer step of step ``job.step`` (before it is counted):
+    every ``ema_every`` steps, a plain copy of the weights before ``ema_start``, an average from then on
+    (rank 0 only)."""
     if job.ema is None or job.step % job.cfg.train.ema_every:
         return
     if job.step < job.cfg.train.ema_start:
@@ -257,12 +265,13 @@ def draw_t_noise(job: Job, x: torch.Tensor, first: int) -> tuple[torch.Tensor, t
 def train_step(job: Job, batches: Iterator[dict]) -> float:
     """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss over ranks (NaN if skipped).
 
-    Gradients are all-reduced once, on the last micro-step (``no_sync`` before it).
+    Gradients are all-reduced once, on the last micro-step (``no_sync`` before it). The loss is read
+    back once per step; a non-finite mean on any rank skips the step on every rank, counted once.
     """
     cfg = job.cfg.train
     world = distributed.world_size()
     job.optimizer.zero_grad(set_to_none=True)
-    total, finite = 0.0, True
+    total = torch.zeros((), device=job.device)
     for micro in range(cfg.grad_accum):
         batch = next(batches)
         x = job.stack.prepare_input(batch["image"].to(job.device, non_blocking=True))
@@ -274,15 +283,14 @@ def train_step(job: Job, batches: Iterator[dict]) -> float:
                                       loss_type=job.cfg.diffusion.loss_type)
             if cfg.divide_loss_by_batch_size:  # Med-DDPM's trainer: loss.sum() / batch_size of a mean
                 loss = loss / (x.shape[0] * world)  # the global batch: N ranks of b == one rank of N·b
-            finite &= job.stack.finite_or_skip(loss)
             job.scaler.scale(loss / cfg.grad_accum).backward()
-        total += loss.item() / cfg.grad_accum
-    total = distributed.mean_over_ranks(total, job.device)
-    finite &= math.isfinite(total)  # every rank skips if any rank saw a NaN (its gradient is in the mean)
-    if finite:
-        job.scaler.step(job.optimizer)
-        job.scaler.update()
-    return total if finite else float("nan")
+        total += loss.detach().float() / cfg.grad_accum
+    mean = distributed.mean_over_ranks(total.item(), job.device)
+    if not job.stack.finite_or_skip(torch.tensor(mean)):  # a NaN's gradient is in every rank's mean
+        return float("nan")
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    return mean
 
 
 def fit(job: Job) -> dict[str, Any]:
@@ -304,8 +312,8 @@ def fit(job: Job) -> dict[str, Any]:
         t0, start_step, loss = time.perf_counter(), job.step, float("nan")
         while job.step < cfg.max_steps:
             loss = train_step(job, batches)
-            job.step += 1
             update_ema(job)
+            job.step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):

@@ -8,6 +8,7 @@ a temporary file in the same directory, fsync it, and ``os.replace`` it over the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import platform
 import random
@@ -61,10 +62,17 @@ def append_line(path: str | os.PathLike, line: str) -> None:
     """Append one line and fsync, so a crash loses at most the line being written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line.rstrip("\n") + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # concurrent writers (launchers on one file system) append whole lines
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a killed writer left a partial line: end it
+            data = b"\n" + data
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def seed_everything(seed: int) -> None:

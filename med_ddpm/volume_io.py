@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from monai.transforms import Resize, ResizeWithPadOrCrop
+from monai.transforms import Resize
 
 from med_ddpm.errors import DataError
 from med_ddpm.utils import atomic_write
@@ -48,7 +48,29 @@ def _to_reference_grid(volume: torch.Tensor, shape: tuple[int, ...] | None, resi
                         f"grid {target}; pass resize_mode='crop_or_pad' or 'resample' to map it back")
     if resize_mode == "resample":
         return torch.as_tensor(Resize(target, mode="trilinear")(volume))
-    return torch.as_tensor(ResizeWithPadOrCrop(target, mode="constant", value=pad_value)(volume))
+    return invert_crop_or_pad(torch.as_tensor(volume), target, pad_value)
+
+
+def invert_crop_or_pad(volume: torch.Tensor, target: Sequence[int], pad_value: float) -> torch.Tensor:
+    """Exact inverse of MONAI's ``ResizeWithPadOrCrop`` from a ``target``-sized grid to ``volume``'s.
+
+    Per axis, where the loader padded r → m it put (m − r)//2 voxels before (``SpatialPad``,
+    symmetric); where it cropped r → m it started at r//2 − m//2 (``CenterSpatialCrop``). The two
+    offsets differ for odd differences, so running the same transform backwards would shift the
+    sample by a voxel against its mask.
+    """
+    out = volume
+    for axis, (m, r) in enumerate(zip(volume.shape[1:], target), start=1):
+        if m > r:
+            out = out.narrow(axis, (m - r) // 2, r)
+        elif m < r:
+            before = r // 2 - m // 2
+            shape = list(out.shape)
+            shape[axis] = r
+            padded = torch.full(shape, pad_value, dtype=out.dtype)
+            padded.narrow(axis, before, m).copy_(out)
+            out = padded
+    return out
 
 
 def save_volume_like(volume: torch.Tensor | np.ndarray, reference: Reference, out_path: str | Path, *,

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import build_model
-from med_ddpm.sample import sampler_from_config
+from med_ddpm.samplers import sampler_from_config
 from optim import RecipeStack
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

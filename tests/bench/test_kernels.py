@@ -27,7 +27,7 @@ FIXTURE = {
     "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>>": "memory copies",
     "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}, at::detail::Array<char*, 2>>": "elementwise / activation",
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor<float, 4>>": "elementwise / activation",
-    "triton_poi_fused_add_convolution_0": "convolution",
+    "triton_poi_fused_add_convolution_0": "elementwise / activation",  # a conv bias add fused by inductor
     "aten::mkldnn_convolution": "convolution",
     "aten::native_group_norm": "normalisation",
     "aten::upsample_trilinear3d": "up/down-sampling",
@@ -62,3 +62,15 @@ def test_markdown_and_png(tmp_path):
     assert "| normalisation |" in text and "Top kernels: fp32" in text
     kernels.stacked_bar_png([record], tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name, category", [
+    ("triton_poi_fused__to_copy__unsafe_index_add_arange_clamp_convolution_mul_silu_sub_view_114", "up/down-sampling"),
+    ("triton_red_fused__to_copy_add_convolution_native_group_norm_silu_unsqueeze_14", "normalisation"),
+    ("triton_poi_fused_add_convolution_mul_3", "elementwise / activation"),
+    ("nvjet_sm90_tst_448x64_64x2_2x1_v_bz_coopB_NNN", "GEMM and attention"),
+])
+def test_inductor_kernels_are_named_by_what_they_run(name, category):
+    """Inductor names fused kernels after the ops they absorbed: a conv bias add is not a convolution."""
+    assert kernels.categorise(name) == category
+    assert kernels.is_tensor_core(name) == name.startswith("nvjet")

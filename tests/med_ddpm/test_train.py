@@ -144,3 +144,33 @@ def test_wandb_logger_writes_an_offline_run(tmp_path, monkeypatch):
                       "train.grad_accum=1")))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_ema_follows_medddpm(tmp_path):
+    """Copy before ema_start; from then on θ' ← d·θ' + (1 − d)·θ, the first update included."""
+    job = build(cfg_for("train", tmp_path, "train.ema_start=2", "train.ema_every=1", "train.ema_decay=0.5"))
+
+    def set_net(value):
+        with torch.no_grad():
+            for p in job.net.parameters():
+                p.fill_(value)
+
+    set_net(1.0)
+    job.step = 1
+    train_mod.update_ema(job)  # before ema_start: a copy
+    set_net(3.0)
+    job.step = 2
+    train_mod.update_ema(job)  # the first average: 0.5·1 + 0.5·3
+    assert all(torch.allclose(p, torch.full_like(p, 2.0)) for p in job.ema.module.parameters())
+
+
+def test_sample_cli_names_a_mask_the_network_cannot_take(reference_dir, tmp_path):
+    from med_ddpm.errors import DataError
+    from med_ddpm.phantoms import write_phantom_niftis
+
+    write_phantom_niftis(tmp_path / "data", 1, (20, 32, 32))  # 20 does not halve 4 times
+    mask = next((tmp_path / "data" / "mask").glob("*.nii.gz"))
+    cfg = cfg_for("sample", tmp_path / "out", f"checkpoint={reference_dir / 'wholehead_small_ckpt.pt'}",
+                  f"masks={mask}", "sampler=ddim", "sampler.steps=2")
+    with pytest.raises(DataError, match=rf"{mask.name}.*not divisible by 16.*image_size"):
+        run_sample(cfg)

@@ -80,3 +80,18 @@ def test_cond_to_labels_both_encodings():
     onehot = torch.cat([labels == 1, labels == 2]).float()
     assert np.array_equal(cond_to_labels(onehot), labels[0].numpy())
     assert np.array_equal(cond_to_labels(onehot * 2 - 1), labels[0].numpy())
+
+
+@pytest.mark.parametrize("ref_shape", [(5, 6, 7), (127, 3, 9), (2, 8, 1)])
+def test_crop_or_pad_inverse_is_exact_for_odd_differences(ref_shape):
+    """Loader: MONAI ResizeWithPadOrCrop ref -> (4, 4, 4); writer must put every voxel back in place."""
+    from monai.transforms import ResizeWithPadOrCrop
+
+    from med_ddpm.volume_io import invert_crop_or_pad
+
+    ref = torch.arange(float(np.prod(ref_shape))).reshape(1, *ref_shape)
+    model = torch.as_tensor(ResizeWithPadOrCrop((4, 4, 4), value=-1.0)(ref))
+    back = invert_crop_or_pad(model, ref_shape, pad_value=-1.0)
+    kept = back != -1
+    assert back.shape == ref.shape
+    assert torch.equal(back[kept], ref[kept]) and int(kept.sum()) == int((model != -1).sum())
