@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from med_ddpm import distributed
-from med_ddpm.checkpoint import read_checkpoint, save_checkpoint
+from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.errors import CheckpointError
@@ -183,16 +183,21 @@ def write_checkpoints(job: Job, rng: list[dict]) -> None:
         save_checkpoint(ckpt_dir / f"step_{job.step:07d}.pt", **state)
 
 
+RESUME_KEYS = ("model", "ema", "optimizer", "scaler", "ema_n_averaged", "rng", "step")
+
+
 def restore(job: Job, path: Path) -> None:
     """Load weights, EMA, optimizer, scaler, step and RNG states for an exact continuation."""
     ckpt = read_checkpoint(path)
-    if ckpt.get("optimizer") is None:
-        raise CheckpointError(f"{path}: has no optimizer state; resume needs a training checkpoint of this project")
+    missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
+    if missing or "model" not in (ckpt.get("config") or {}):
+        raise CheckpointError(f"{path}: not a training checkpoint of this project (missing {missing or ['config.model']}); "
+                              "resume needs one written by med_ddpm.train")
     if ckpt["config"]["model"] != OmegaConf.to_container(job.cfg.model, resolve=True):
         raise CheckpointError(f"{path}: model config differs from this run's (model={ckpt['config']['model']})")
-    job.net.load_state_dict(ckpt["model"])
+    load_into(job.net, ckpt["model"], f"{path} [model]")
     if job.ema is not None:
-        job.ema.module.load_state_dict(ckpt["ema"])
+        load_into(job.ema.module, ckpt["ema"], f"{path} [ema]")
         job.ema.n_averaged.copy_(ckpt["ema_n_averaged"])
     job.optimizer.load_state_dict(ckpt["optimizer"])
     job.scaler.load_state_dict(ckpt["scaler"])

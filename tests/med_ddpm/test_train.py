@@ -174,3 +174,9 @@ def test_sample_cli_names_a_mask_the_network_cannot_take(reference_dir, tmp_path
                   f"masks={mask}", "sampler=ddim", "sampler.steps=2")
     with pytest.raises(DataError, match=rf"{mask.name}.*not divisible by 16.*image_size"):
         run_sample(cfg)
+
+
+def test_resume_from_a_non_training_checkpoint_names_it(reference_dir, tmp_path):
+    ckpt = reference_dir / "wholehead_small_ckpt.pt"
+    with pytest.raises(ValueError, match=r"wholehead_small_ckpt.pt: not a training checkpoint"):
+        fit(build(cfg_for("train", tmp_path, "train.max_steps=1", f"resume={ckpt}")))
