@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.data import default_collate
 
 from bench.records import IDENTITY_FIELDS, MEASURED_FIELDS, RESULTS_FILE, append_row, read_rows
-from bench.timing import active_precision, peak_memory_gib, time_fn, time_once
+from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from bench.worker import classify
 from med_ddpm import distributed
 from med_ddpm.train import CONFIG_DIR, Job, build, train_step
@@ -72,6 +73,7 @@ def memory_batches(job: Job):
 
 def time_ranks(job: Job, warmup: int, iters: int) -> dict[str, Any]:
     """Time the training step on this rank inside the recipe session; return this rank's numbers."""
+    flush(job.device)  # peak memory of the step, not of build()
     with job.stack.session():
         job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
         batches = memory_batches(job)
@@ -117,9 +119,7 @@ def measurements(cfg, ranks: list[dict[str, Any]], world: int, baseline: float |
     total = per_gpu * world
     if baseline is None and world == 1:
         baseline = per_gpu
-    voxels = 1
-    for s in cfg.model.image_size:
-        voxels *= int(s)
+    voxels = math.prod(int(s) for s in cfg.model.image_size)
     return {
         "ms_median": t.median, "ms_p10": t.p10, "ms_p90": t.p90, "iqr_pct": t.iqr_pct, "ms_mean": t.mean,
         "ms_std": t.std, "iters": iters, "warmup": warmup, "first_call_s": max(r["first_call_s"] for r in ranks),

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from optim.flags import effective_flags
+
 IQR_WARN_PCT = 10.0
 GIB = 2**30
 
@@ -194,9 +196,8 @@ def active_precision(device_type: str) -> str:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     if device_type != "cuda":  # the fp32_precision switches are cuDNN/cuBLAS ones
         return "fp32"
-    conv = torch.backends.cudnn.conv.fp32_precision
-    matmul = torch.backends.cuda.matmul.fp32_precision
-    return "tf32" if "tf32" in (conv, matmul) else "fp32"
+    flags = effective_flags()  # "none" leaves inherit from their parents
+    return "tf32" if "tf32" in (flags["cudnn.conv.fp32_precision"], flags["cuda.matmul.fp32_precision"]) else "fp32"
 
 
 def datasheet_peak_tflops(gpu_name: str, precision: str) -> float | None:

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from bench.gate import quality_report
 from bench.records import MEASURED_FIELDS
 from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, run_scenario
+from med_ddpm.quality import gate_from_config
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 FAULTS = ("oom", "nan", "error", "segfault")  # bench.inject: test-only fault injection
@@ -42,6 +42,13 @@ OOM_PATTERN = re.compile(r"out of memory|CUDNN_STATUS_ALLOC_FAILED|CUBLAS_STATUS
 PLACEHOLDER = "worker exited before finishing"
 TIMEOUT_PREFIX = "worker timed out"
 STDERR_TAIL = 2000
+
+
+def quality_report(cfg: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """The speed-vs-quality gate of the job's stack + sampler (``med_ddpm.quality.gate_from_config``)
+    on ``bench.checkpoint`` or seeded random weights, with ``bench.batch_size`` (at least 2) samples."""
+    n = max(2, int(cfg["bench"]["batch_size"]))
+    return gate_from_config(cfg, device, checkpoint=cfg["bench"].get("checkpoint"), n_samples=n).to_dict()
 
 
 def inject_fault(step: Step, kind: str) -> Step:

@@ -83,6 +83,8 @@ VARIANTS = {
     "whole_head": Variant("whole_head", 1, (0, 1, 2), signed_cond=True),
     "brats": Variant("brats", 4, (0, 1, 2, 3, 4), signed_cond=False),
 }
+# a network's output channels name its data variant (checkpoints record no data config)
+VARIANT_BY_IMAGE_CHANNELS = {v.image_channels: name for name, v in VARIANTS.items()}
 
 
 def get_variant(name: str) -> Variant:

@@ -446,6 +446,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     one synthetic phantom's (so diversity has pairs); ``n_samples`` phantom images serve as the
     "real" set. With ``quality.calibrate`` the floors are measured first (3 more trajectories).
     """
+    from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
     from med_ddpm.phantoms import SyntheticPhantoms
     from optim import RecipeStack
 
@@ -453,7 +454,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     device, seed = torch.device(device), int(cfg.get("seed", 0))
     model, schedule = _gate_model(cfg, checkpoint, seed)
     model, schedule = model.to(device).eval(), schedule.to(device)
-    variant = "whole_head" if model.out_channels == 1 else "brats"
+    variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
     phantoms = SyntheticPhantoms(n_samples, tuple(cfg["model"]["image_size"]), variant=variant, seed=seed)
     cond = phantoms[0]["cond"][None].expand(n_samples, -1, -1, -1, -1).contiguous().to(device)
     real = torch.stack([phantoms[i]["image"] for i in range(n_samples)])

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from med_ddpm import distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
-from med_ddpm.data import load_condition
+from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition
 from med_ddpm.errors import DataError
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import sample, sampler_from_config
@@ -36,7 +36,6 @@ from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-VARIANT_BY_OUT_CHANNELS = {1: "whole_head", 4: "brats"}
 
 
 def list_masks(masks: str | None) -> list[Path]:
@@ -60,7 +59,7 @@ def sampling_geometry(loaded: Loaded, cfg: DictConfig) -> tuple[str, list[int] |
     original sampling script does.
     """
     saved = loaded.config
-    variant = VARIANT_BY_OUT_CHANNELS.get(loaded.model.out_channels)
+    variant = VARIANT_BY_IMAGE_CHANNELS.get(loaded.model.out_channels)
     if variant is None:
         raise ValueError(f"{cfg.checkpoint}: {loaded.model.out_channels} output channels match no known data variant")
     resize_mode = saved.get("data", {}).get("resize_mode") or cfg.data.get("resize_mode", "crop_or_pad")

@@ -60,3 +60,13 @@ def test_worker_crash_is_an_error_row(tmp_path):
     row = run_job(job, tmp_path / "job", timeout_s=120)
     assert row["status"] == "error" and "SIGSEGV" in row["message"]
     assert row["env"]["torch"]  # the placeholder row written before the crash kept the environment
+
+
+def test_quality_gate_fills_the_row(tmp_path):
+    """bench.quality=true: the row carries med_ddpm.quality's verdict for the job's stack vs strict FP32."""
+    job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=10", "sampler.steps=10",
+                       "recipe=[amp_bf16]"], tmp_path)
+    row = run_job(job, tmp_path / "job", timeout_s=240)
+    assert row["status"] == "ok", row["message"]
+    assert row["quality"]["verdict"] in ("pass", "warn"), row["quality"]
+    assert row["quality"]["metrics"]["eps_rel_l2"] > 0  # bf16 drifts from fp32: the comparison ran
