@@ -7,6 +7,8 @@ Example:
     python -m bench.ladder out=results/smoke preset=smoke         # tiny CPU ladder
     python -m bench.ladder out=results/h200 dry_run=true          # list the jobs and their status
     python -m bench.ladder out=results/h200 preset=core           # the short issue-8 ladder (one device session)
+    python -m bench.ladder out=results/h200 preset=tuning         # issue 8, round 2: layout, graphs, batch, BraTS
+    python -m bench.ladder out=results/h200/quality preset=quality checkpoint=runs/quality_model/checkpoints/last.pt
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
 than one 10-minute device command is finished by running the same command again. The time
@@ -57,11 +59,23 @@ def _unique(stacks: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
     return list(dict.fromkeys(stacks))
 
 
+def _with(stack: tuple[str, ...], name: str, after: str = "amp_bf16") -> tuple[str, ...]:
+    """``stack`` with ``name`` inserted after ``after`` (or first): labels read in a fixed order."""
+    at = stack.index(after) + 1 if after in stack else 0
+    return (*stack[:at], name, *stack[at:])
+
+
+def _swap(stack: tuple[str, ...], old: str, new: str) -> tuple[str, ...]:
+    return tuple(new if name == old else name for name in stack)
+
+
 def gpu_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     """whole-head 128^3 (and a BraTS memory check), in importance order."""
     sets = _unique([*RECIPE_SETS, best])
     for scenario in ("denoise_step", "train_step"):
         for stack in sets:
+            if scenario == "train_step" and "cuda_graphs" in stack:
+                continue  # cuda_graphs graphs no-grad sampling only: under autograd it is eager
             yield [f"bench={scenario}", _recipe(stack)]
     for stack in _unique([(), ("tf32",), ("amp_bf16",), best]):
         yield ["bench=full_sample", "sampler=ddpm", _recipe(stack), "bench.iters=3"]
@@ -102,6 +116,57 @@ def core_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
 
 
+def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
+    """Issue 8, second round, against the strict-FP32 baseline in the same run: one layout end
+    to end (channels-last with compiled GroupNorm and upsampling), launch overhead (inductor's
+    CUDA-graph trees), conv autotuning, BraTS memory, and throughput against batch size."""
+    layout = _with(best, "channels_last_3d")
+    graphs = _swap(layout, "compile", "compile_cudagraphs")
+    eager = tuple(name for name in best if name != "compile")
+    for stack in _unique([(), best, layout, graphs]):
+        yield ["bench=denoise_step", _recipe(stack)]
+    for stack in _unique([(), best, layout]):
+        yield ["bench=train_step", _recipe(stack)]
+    yield ["bench=full_sample", "sampler=ddpm", _recipe(graphs), "bench.iters=3"]
+    yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=10", _recipe(graphs)]
+    yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
+    yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing"))]
+    yield ["model=medddpm_brats", "bench=train_step", _recipe((*eager, "checkpointing"))]
+    for batch in (1, 4, 8):
+        for scenario in ("train_step", "denoise_step"):
+            yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(eager)]
+    yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=25", _recipe(graphs)]
+    yield ["bench=denoise_step", _recipe(_swap(layout, "compile", "compile_max_autotune")), "bench.timeout_s=420"]
+
+
+QUALITY_SAMPLERS = ("dpm_solver_pp", "ddim", "deis")
+QUALITY_STEPS = (10, 25, 50, 100)
+
+
+def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Job]:
+    """Issue 7: the gate's verdict next to the time, on the quality model (``experiment=quality_model``
+    weights, 64^3, N=4 samples of one mask): the seed study's recipes and the best stacks against
+    strict-FP32 DDPM-250 (drift + paired + distribution), then each fast sampler at 10/25/50/100
+    steps (distribution checks, floors calibrated once and cached for the whole ladder)."""
+    if checkpoint is None:
+        raise SystemExit("bench.ladder preset=quality needs checkpoint=PATH (python -m med_ddpm.train "
+                         "experiment=quality_model writes one)")
+    common = ["model=quality_model", "bench.batch_size=4", "bench.quality=true", f"bench.checkpoint={checkpoint}",
+              "quality.calibrate=true", f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
+    layout = _with(best, "channels_last_3d")
+    stacks = [(), ("tf32",), ("channels_last_3d",), ("amp_bf16",), ("amp_fp16",),
+              ("amp_bf16", "fused_groupnorm", "sdpa_attention"), best, layout]
+    for stack in _unique(stacks):
+        yield [*common, "bench=denoise_step", _recipe(stack)]
+    sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=3"]
+    yield [*sampling, "sampler=ddpm", "recipe=[]"]
+    for steps in QUALITY_STEPS:
+        for sampler in QUALITY_SAMPLERS:
+            yield [*sampling, f"sampler={sampler}", f"sampler.steps={steps}", "recipe=[]"]
+    for steps in (10, 25):
+        yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
+
+
 def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     """The same shape on the tiny CPU model: every scenario, two stacks, two batch sizes."""
     for scenario in ("train_step", "denoise_step"):
@@ -110,7 +175,8 @@ def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
                 yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
 
 
-PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "core": core_ladder, "smoke": smoke_ladder}
+PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "core": core_ladder, "tuning": tuning_ladder,
+           "quality": quality_ladder, "smoke": smoke_ladder}
 
 
 def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:
@@ -158,7 +224,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
         append_row(out / RESULTS_FILE, row)
         log_row(row)
     if not dry_run and budget_s - (time.monotonic() - start) > 0:
-        EnsureBaseline.complete(out)
+        EnsureBaseline.complete(out, budget_s - (time.monotonic() - start))
     print(f"ladder: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
     return left
 
@@ -168,9 +234,9 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     args = {}
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run"):
+        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run", "checkpoint"):
             raise SystemExit(f"bench.ladder: bad argument {arg!r}; expected out=DIR [preset={'|'.join(PRESETS)}] "
-                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true]")
+                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true] [checkpoint=PATH]")
         args[key] = value
     if "out" not in args:
         raise SystemExit("bench.ladder: out=DIR is required")
@@ -183,7 +249,8 @@ def main(argv: list[str]) -> int:
     if preset not in PRESETS:
         raise SystemExit(f"bench.ladder: unknown preset {preset!r}; known: {sorted(PRESETS)}")
     best = tuple(n for n in args.get("best", ",".join(DEFAULT_BEST)).split(",") if n)
-    jobs = list(PRESETS[preset](best))
+    ladder = PRESETS[preset]
+    jobs = list(ladder(best, args.get("checkpoint")) if ladder is quality_ladder else ladder(best))
     run_ladder(Path(args["out"]), jobs, float(args.get("budget_s", "inf")), args.get("dry_run") == "true")
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +86,21 @@ class EnsureBaseline(Callback):
         self.complete(Path(config.hydra.runtime.output_dir))
 
     @staticmethod
-    def complete(sweep_dir: Path) -> None:
-        """Run the missing ``recipe=[]`` jobs of ``sweep_dir`` (also used by the ladder)."""
+    def complete(sweep_dir: Path, budget_s: float = math.inf) -> None:
+        """Run the missing ``recipe=[]`` jobs of ``sweep_dir`` (also used by the ladder), starting
+        none once ``budget_s`` seconds have passed and cutting each at what is left of it."""
         if not (sweep_dir / RESULTS_FILE).exists():
             return
+        deadline = time.monotonic() + budget_s
         for n, row in enumerate(missing_baselines(read_rows(sweep_dir))):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.info("time budget spent: strict-FP32 baseline of %s batch=%s not measured",
+                         row["scenario"], row["batch_size"])
+                continue
             log.info("sweep had no recipe=[] job for %s batch=%s: adding the strict-FP32 baseline",
                      row["scenario"], row["batch_size"])
-            timeout = float(row["config"]["bench"]["timeout_s"])
+            timeout = min(float(row["config"]["bench"]["timeout_s"]), remaining)
             record(baseline_job(row), sweep_dir, sweep_dir / f"baseline_{n}", timeout)
 
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ from med_ddpm.metrics import (
     region_mask,
 )
 from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
+from med_ddpm.utils import atomic_save
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
 VERDICTS = ("pass", "warn", "fail")
@@ -410,19 +413,21 @@ def calibrate_floor(
     gate: QualityGate | None = None,
     probe_timesteps: Sequence[int] | None = None,
     forward_context: ContextFactory | None = None,
+    reference: TrajectoryRun | None = None,
 ) -> dict[str, float]:
     """Measure the FP32-vs-FP32 floor of every check, to feed :class:`QualityGate` (``floor=``).
 
     Drift and paired floors: the reference against itself under :func:`equivalent_execution`
     (same noise). Distribution floors: the reference against a second seed set
     (``second_noise``), i.e. how much FID/KID/MMD/diversity move from sampling alone. Call
-    it inside the strict-FP32 session (``RecipeStack([]).session()``) with the FP32 model.
+    it inside the strict-FP32 session (``RecipeStack([]).session()``) with the FP32 model;
+    pass ``reference`` when that run of ``noise`` is already at hand (saves one trajectory).
     """
     gate = gate or QualityGate()
     run = lambda nz, probes=None: run_trajectory(  # noqa: E731
         model_fn, sampler, cond, nz, probe_timesteps=probe_timesteps, probe_inputs=probes,
         forward_context=forward_context)
-    reference = run(noise)
+    reference = reference or run(noise)
     with equivalent_execution():
         rerun = run(noise, reference.probe_inputs)
     measured = gate.measure(reference, rerun)
@@ -464,18 +469,52 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     sampler = sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule)
     noise = fixed_noise((n_samples, model.out_channels, *cond.shape[2:]), T, seed, device)
     thresholds = {**(cfg.get("quality") or load_thresholds()), "cond_layout": variant}
-    floor = None
-    with RecipeStack([]).session():
-        reference = run_trajectory(model, ddpm, cond, noise)
-        if thresholds.get("calibrate"):
+
+    def strict_reference() -> tuple[TrajectoryRun, dict[str, float] | None]:
+        with RecipeStack([]).session():
+            reference = run_trajectory(model, ddpm, cond, noise)
+            if not thresholds.get("calibrate"):
+                return reference, None
             second = fixed_noise(noise.x_T.shape, T, seed + 1, device)
-            floor = calibrate_floor(model, ddpm, cond, noise, second, gate=QualityGate(thresholds))
+            return reference, calibrate_floor(model, ddpm, cond, noise, second, gate=QualityGate(thresholds),
+                                              reference=reference)
+
+    key = {"cfg": {k: cfg.get(k) for k in ("model", "diffusion", "seed")}, "n": n_samples, "device": device.type,
+           "thresholds": thresholds, "checkpoint": _file_identity(checkpoint)}
+    reference, floor = _cached(thresholds.get("cache_dir"), key, strict_reference)
     stack = RecipeStack.from_config(cfg.get("recipe"))
     with stack.session():
         fast = stack.prepare_model(copy.deepcopy(model))
         candidate = run_trajectory(lambda x, t: fast(stack.prepare_input(x), t), sampler, cond, noise,
                                    probe_inputs=reference.probe_inputs, forward_context=stack.forward_context)
     return QualityGate(thresholds, floor=floor).run(reference, candidate, real=real)
+
+
+def _file_identity(path: str | None) -> list[Any] | None:
+    """A checkpoint's path, size and mtime: a retrained file at the same path is a new key."""
+    if path is None:
+        return None
+    stat = Path(path).stat()
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _cached(cache_dir: str | None, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
+    """``compute()``, stored under ``cache_dir`` by a hash of ``key`` and reused while it matches.
+
+    The strict-FP32 reference (and its calibrated floors) depends only on the weights, schedule,
+    masks, noise and N, not on the candidate, so a ladder of gates over one model computes it
+    once instead of once per job (each bench job is a fresh process). Written atomically, so
+    concurrent jobs at worst both compute it.
+    """
+    if not cache_dir:
+        return compute()
+    digest = hashlib.sha256(json.dumps(_json_safe(key), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"reference_{digest}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    value = compute()
+    atomic_save(value, path)
+    return value
 
 
 CONFIG_KEYS = ("model", "diffusion", "sampler", "recipe", "quality", "seed")

@@ -161,3 +161,28 @@ def test_gate_from_config_on_the_real_configs():
     assert report.verdict == "pass" and report.metrics["eps_rel_l2"] < 1e-5  # layout change: math equivalent
     assert {"fid_vs_real", "fid_vs_real_ref"} <= set(report.metrics)
     json.dumps(report.to_dict(), allow_nan=False)
+
+
+def test_gate_reuses_a_cached_strict_reference(tmp_path, monkeypatch):
+    """A ladder of gates over one model computes the FP32 reference and floors once."""
+    from hydra import compose, initialize_config_dir
+
+    from med_ddpm import quality
+
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=[
+            "model=tiny", "model.image_size=[16,16,16]", "diffusion.timesteps=4", "sampler.steps=4",
+            "quality.calibrate=true",
+            f"quality.cache_dir={tmp_path}", "recipe=[channels_last_3d]"])
+    first = quality.gate_from_config(cfg, "cpu").to_dict()
+    assert len(list(tmp_path.glob("reference_*.pt"))) == 1
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the cached reference was not used")
+
+    monkeypatch.setattr(quality, "calibrate_floor", no_recompute)
+    assert quality.gate_from_config(cfg, "cpu").to_dict() == first
+    cfg.seed = 1  # other noise: another reference
+    with pytest.raises(AssertionError, match="cached reference was not used"):
+        quality.gate_from_config(cfg, "cpu")

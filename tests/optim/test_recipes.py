@@ -78,3 +78,27 @@ def test_channels_last_audit_reports_where_layout_is_lost() -> None:
         hooks = sum(len(m._forward_hooks) for m in model.modules())
         assert hooks == 0, "audit hooks must remove themselves after one forward"
     assert is_channels_last_3d(recipe.prepare_input(x)) and recipe.prepare_input(t) is t
+
+
+def test_reduce_overhead_compile_marks_a_step_and_clones_the_output(monkeypatch) -> None:
+    """CUDA-graph trees overwrite outputs on the next replay; samplers keep past eps, so the
+    reduce-overhead wrapper must start a new step per call and hand back its own copy."""
+    from optim.compile import compile_model
+
+    marks: list[int] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # the wrapper, not inductor
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    shared = torch.zeros(3)
+
+    class Net(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return shared.add_(x)  # returns the same storage every call, as a graph replay does
+
+    graphed = compile_model(Net(), mode="reduce-overhead")
+    first = graphed(torch.ones(3))
+    second = graphed(torch.ones(3))
+    assert marks == [1, 1]
+    assert first.data_ptr() != shared.data_ptr() and torch.equal(first, torch.ones(3))
+    assert torch.equal(second, torch.full((3,), 2.0))
+    plain = compile_model(Net(), mode="default")
+    assert plain(torch.ones(3)).data_ptr() == shared.data_ptr() and marks == [1, 1]

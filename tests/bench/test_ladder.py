@@ -1,0 +1,47 @@
+"""The ladder presets: every job composes from the real configs, names only existing recipes,
+has a unique identity, and the quality preset gates the quality model's architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ladder import DEFAULT_BEST, PRESETS, compose_job, missing_recipes, parse_args, quality_ladder
+from bench.records import job_key
+from bench.worker import base_row
+
+
+def jobs_of(preset: str, tmp_path) -> list[list[str]]:
+    ladder = PRESETS[preset]
+    if ladder is quality_ladder:
+        return list(ladder(DEFAULT_BEST, str(tmp_path / "quality_model.pt")))
+    return list(ladder(DEFAULT_BEST))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_job_composes_and_is_unique(preset, tmp_path):
+    jobs = jobs_of(preset, tmp_path)
+    assert jobs and all(not missing_recipes(job) for job in jobs)
+    keys = [job_key(base_row(compose_job(job, tmp_path / str(n)))) for n, job in enumerate(jobs)]
+    assert len(set(keys)) == len(keys), "two jobs of one preset would overwrite each other's row"
+
+
+def test_quality_preset_gates_the_quality_model_with_a_shared_reference(tmp_path):
+    jobs = jobs_of("quality", tmp_path)
+    configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs)]
+    assert all(c["bench"]["quality"] and c["model"]["image_size"] == [64, 64, 64] for c in configs)
+    assert {c["quality"]["cache_dir"] for c in configs} == {str(tmp_path / "gate_cache")}
+    swept = {(c["sampler"]["name"], c["sampler"]["steps"]) for c in configs if c["bench"]["scenario"] == "full_sample"}
+    assert {(s, n) for s in ("ddim", "dpm_solver_pp", "deis") for n in (10, 25, 50, 100)} <= swept
+    with pytest.raises(SystemExit, match="checkpoint=PATH"):
+        list(quality_ladder(DEFAULT_BEST, None))
+
+
+def test_cuda_graphs_is_not_timed_on_training_steps(tmp_path):
+    for job in jobs_of("gpu", tmp_path):
+        assert not ("bench=train_step" in job and any("cuda_graphs" in o for o in job if o.startswith("recipe=")))
+
+
+def test_args_are_checked():
+    assert parse_args(["out=x", "preset=quality", "checkpoint=a.pt"])["checkpoint"] == "a.pt"
+    with pytest.raises(SystemExit, match="bad argument"):
+        parse_args(["out=x", "bogus=1"])
