@@ -123,18 +123,19 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     layout = _with(best, "channels_last_3d")
     graphs = _swap(layout, "compile", "compile_cudagraphs")
     eager = tuple(name for name in best if name != "compile")
-    for stack in _unique([(), best, layout, graphs]):
-        yield ["bench=denoise_step", _recipe(stack)]
     for stack in _unique([(), best, layout]):
-        yield ["bench=train_step", _recipe(stack)]
-    yield ["bench=full_sample", "sampler=ddpm", _recipe(graphs), "bench.iters=3"]
-    yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=10", _recipe(graphs)]
-    yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
-    yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing"))]
+        yield ["bench=denoise_step", _recipe(stack)]
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*eager, "checkpointing"))]
     for batch in (1, 4, 8):
         for scenario in ("train_step", "denoise_step"):
             yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(eager)]
+    yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
+    yield ["bench=denoise_step", _recipe(graphs)]
+    for stack in _unique([(), best, layout]):
+        yield ["bench=train_step", _recipe(stack)]
+    yield ["bench=full_sample", "sampler=ddpm", _recipe(graphs), "bench.iters=3"]
+    yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=10", _recipe(graphs)]
+    yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing"))]
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=25", _recipe(graphs)]
     yield ["bench=denoise_step", _recipe(_swap(layout, "compile", "compile_max_autotune")), "bench.timeout_s=420"]
 
@@ -158,7 +159,7 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
               ("amp_bf16", "fused_groupnorm", "sdpa_attention"), best, layout]
     for stack in _unique(stacks):
         yield [*common, "bench=denoise_step", _recipe(stack)]
-    sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=3"]
+    sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
     for steps in QUALITY_STEPS:
         for sampler in QUALITY_SAMPLERS:

@@ -149,7 +149,13 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Trilinear ×2 (align_corners=False) then a 3×3×3 conv; guided-diffusion uses nearest."""
+    """Trilinear ×2 (align_corners=False) then a 3×3×3 conv; guided-diffusion uses nearest.
+
+    Checkpointed with ``checkpointing.level=all``: otherwise the conv keeps the interpolated
+    tensor (8× the input) for its backward.
+    """
+
+    checkpoint_group: ClassVar[str] = "upsample"
 
     def __init__(self, channels: int):
         super().__init__()

@@ -1,14 +1,16 @@
 """Activation checkpointing of the U-Net's blocks: recompute activations in backward, keep memory.
 
 Blocks are selected generically by the class attribute ``checkpoint_group`` that the model's
-blocks carry (``"attention"``, ``"resblocks"``), so ``optim`` needs no import of the model.
+blocks carry (``"attention"``, ``"resblocks"``, ``"upsample"``), so ``optim`` needs no import of
+the model. Level ``all`` takes every group, including the decoder's upsampling (trilinear ×2
+then a conv, which would otherwise keep the 8×-sized interpolated tensor for its backward).
 ``use_reentrant=False`` is the variant that saves and restores autocast state for the
 recomputation (the original Med-DDPM's hand-written checkpoint drops autocast and crashes
 under AMP) and supports keyword arguments and inputs that do not require grad, such as
 ``ResBlock.forward(x, emb)``. Checkpointing is skipped when autograd is off (sampling).
 
 Example:
-    >>> apply_checkpointing(model, "all")    # BraTS 192x192x144 at batch 1 within 16 GiB, with AMP
+    >>> apply_checkpointing(model, "all")    # BraTS 192x192x144 at batch 1 (goal: 16 GiB with AMP)
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from torch.utils.checkpoint import checkpoint
 from optim.base import Recipe, RecipeConflictError
 from optim.forward_override import override_forward
 
-LEVELS = {"attention": ("attention",), "resblocks": ("resblocks",), "all": ("attention", "resblocks")}
+LEVELS = {"attention": ("attention",), "resblocks": ("resblocks",),
+          "all": ("attention", "resblocks", "upsample")}
+
+
+def check_level(level: str) -> tuple[str, ...]:
+    """The one validation of ``level`` (recipe and functional twin); returns its groups."""
+    if level not in LEVELS:
+        raise RecipeConflictError(f"checkpointing level must be one of {sorted(LEVELS)}, got {level!r}")
+    return LEVELS[level]
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,9 +51,7 @@ def apply_checkpointing(model: nn.Module, level: str = "all") -> list[str]:
 
     Returns the names of the wrapped modules (state-dict keys are unchanged).
     """
-    if level not in LEVELS:
-        raise RecipeConflictError(f"checkpointing level must be one of {sorted(LEVELS)}, got {level!r}")
-    groups = LEVELS[level]
+    groups = check_level(level)
     wrapped = []
     for name, module in model.named_modules():
         if getattr(type(module), "checkpoint_group", None) in groups:
@@ -63,8 +71,7 @@ class Checkpointing(Recipe):
     stage = 20
 
     def __init__(self, level: str = "all") -> None:
-        if level not in LEVELS:
-            raise RecipeConflictError(f"checkpointing level must be one of {sorted(LEVELS)}, got {level!r}")
+        check_level(level)
         self.level = level
         self.wrapped: list[str] = []
 

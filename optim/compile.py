@@ -28,6 +28,12 @@ from optim.forward_override import override_forward
 MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 
 
+def check_mode(mode: str) -> None:
+    """The one validation of ``mode``, shared by the recipe and its functional twin."""
+    if mode not in MODES:
+        raise RecipeConflictError(f"compile mode must be one of {MODES}, got {mode!r}")
+
+
 def _compiled(forward: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     compiled = torch.compile(forward, **options)
     if options.get("mode") != "reduce-overhead":
@@ -48,8 +54,7 @@ def _compiled(forward: Callable[..., Any], **options: Any) -> Callable[..., Any]
 def compile_model(model: nn.Module, mode: str = "default", fullgraph: bool = False,
                   dynamic: bool = False, backend: str = "inductor") -> nn.Module:
     """Functional twin: compile ``model.forward`` in place and return the same module."""
-    if mode not in MODES:
-        raise RecipeConflictError(f"compile mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     override_forward(model, functools.partial(_compiled, mode=mode, fullgraph=fullgraph,
                                               dynamic=dynamic, backend=backend))
     return model
@@ -74,8 +79,7 @@ class Compile(Recipe):
 
     def __init__(self, mode: str = "default", fullgraph: bool = False, dynamic: bool = False,
                  backend: str = "inductor") -> None:
-        if mode not in MODES:
-            raise RecipeConflictError(f"compile mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode)
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self.first_call_s: float | None = None
         self.prepared_at: float | None = None

@@ -34,6 +34,7 @@ BACKENDS = {
 
 
 def _resolve(backends: tuple[str, ...] | list[str] | None) -> list[SDPBackend] | None:
+    """The one validation of ``backends`` (recipe, functional twin and core): names -> SDPBackends."""
     if not backends:
         return None
     unknown = [b for b in backends if b not in BACKENDS]

@@ -8,7 +8,9 @@ bf16 step's GPU time. Here every (n, g) group is split over ``SPLIT`` programs:
    Welford/Chan merging (numerically stable, unlike sum/sum-of-squares, for 4 M elements);
 2. ``_normalize``: each program merges its group's SPLIT partials (Chan et al. 1979, parallel
    variance: mean = Σ nᵢ·meanᵢ / n, M2 = Σ M2ᵢ + nᵢ·(meanᵢ - mean)²), then normalises its chunk,
-   applies the affine transform and SiLU and casts to the output dtype in one pass.
+   applies the affine transform and SiLU and casts to the output dtype in one pass. The first
+   program of each group also stores the merged float32 mean and rstd = 1/sqrt(var + eps), so
+   the lean backward of :mod:`optim.fused_groupnorm` reuses them (``return_stats=True``).
 
 Statistics and arithmetic are float32 whatever the input dtype (GroupNorm32 semantics).
 Inputs are read as (N, C, S) with arbitrary strides, so NCDHW and channels_last_3d (and the
@@ -74,7 +76,7 @@ def _partial_stats(x_ptr, stats_ptr, G, Cg, S, chunk, stride_n, stride_c, stride
 
 
 @triton.jit
-def _normalize(x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, G, Cg, S, chunk, eps,
+def _normalize(x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, mean_ptr, rstd_ptr, G, Cg, S, chunk, eps,
                stride_n, stride_c, stride_s, ystride_n, ystride_c, ystride_s,
                SPLIT: tl.constexpr, BLOCK: tl.constexpr, CHANNELS_FAST: tl.constexpr,
                SILU: tl.constexpr, AFFINE: tl.constexpr):
@@ -90,6 +92,9 @@ def _normalize(x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, G, Cg, S, chunk, eps,
     mean = tl.sum(counts * means, axis=0) / total_n
     m2 = tl.sum(m2s + counts * (means - mean) * (means - mean), axis=0)
     rstd = 1.0 / tl.sqrt(m2 / total_n + eps)  # biased variance, as nn.GroupNorm
+    if part == 0:  # every program of the group computed the same values; one of them keeps them
+        tl.store(mean_ptr + group, mean)
+        tl.store(rstd_ptr + group, rstd)
     total = Cg * S
     start = part * chunk
     for off in range(0, chunk, BLOCK):
@@ -131,8 +136,13 @@ def _split(groups: int, elements: int, device: torch.device) -> tuple[int, int]:
 
 def group_norm_act_triton(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                           bias: torch.Tensor | None, eps: float, silu: bool,
-                          out_dtype: torch.dtype) -> torch.Tensor:
-    """GroupNorm (fp32 statistics) + optional SiLU, output in ``out_dtype`` and ``x``'s layout."""
+                          out_dtype: torch.dtype, return_stats: bool = False
+                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GroupNorm (fp32 statistics) + optional SiLU, output in ``out_dtype`` and ``x``'s layout.
+
+    With ``return_stats``, returns ``(y, mean, rstd)``: the per-(sample, group) float32 mean and
+    1/sqrt(biased var + eps), each of shape (N, num_groups), as the kernel used them.
+    """
     n, c = x.shape[:2]
     if c % num_groups:
         raise ValueError(f"GroupNorm: {c} channels not divisible by {num_groups} groups")
@@ -142,12 +152,14 @@ def group_norm_act_triton(x: torch.Tensor, num_groups: int, weight: torch.Tensor
     cg, s = c // num_groups, x3.shape[2]
     split, chunk = _split(n * num_groups, cg * s, x.device)
     stats = torch.empty(n * num_groups * split * 3, device=x.device, dtype=torch.float32)
+    mean = torch.empty(n, num_groups, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(n, num_groups, device=x.device, dtype=torch.float32)
     channels_fast = x3.stride(1) < x3.stride(2)
     grid = (n * num_groups, split)
     _partial_stats[grid](x3, stats, num_groups, cg, s, chunk, *x3.stride(),
                          SPLIT=split, BLOCK=BLOCK, CHANNELS_FAST=channels_fast)
     affine = weight is not None
-    _normalize[grid](x3, y3, weight if affine else x3, bias if affine else x3, stats, num_groups, cg, s,
-                     chunk, eps, *x3.stride(), *y3.stride(), SPLIT=split, BLOCK=BLOCK,
+    _normalize[grid](x3, y3, weight if affine else x3, bias if affine else x3, stats, mean, rstd,
+                     num_groups, cg, s, chunk, eps, *x3.stride(), *y3.stride(), SPLIT=split, BLOCK=BLOCK,
                      CHANNELS_FAST=channels_fast, SILU=silu, AFFINE=affine)
-    return y
+    return (y, mean, rstd) if return_stats else y

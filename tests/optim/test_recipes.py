@@ -35,6 +35,15 @@ def test_surgery_keeps_state_dict_keys_and_counts() -> None:
     model.load_state_dict(tiny_unet(seed=3).state_dict())  # strict load still works
 
 
+def test_checkpointing_all_includes_the_upsample() -> None:
+    from med_ddpm.model import Upsample
+
+    model = tiny_unet()
+    upsamples = {n for n, m in model.named_modules() if isinstance(m, Upsample)}
+    assert upsamples and upsamples <= set(apply_checkpointing(model, "all"))
+    assert not upsamples & set(apply_checkpointing(tiny_unet(), "resblocks"))
+
+
 def test_checkpointed_deepcopy_runs_the_copy() -> None:
     model = tiny_unet()
     with torch.no_grad():  # the output conv is zero-initialised: make the output non-zero
