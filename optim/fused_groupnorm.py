@@ -95,10 +95,14 @@ def forward_stats_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor |
     (float64 inputs stay float64, so gradcheck can run).
 
     ``native_group_norm`` is the op ``F.group_norm`` runs; it also returns the (N, G) statistics.
+    As ``F.group_norm`` does, its input is made contiguous in the layout the device's kernel takes:
+    the CPU kernel reads channels-last, the CUDA one only NCDHW (on the H200 a channels_last_3d
+    input failed here, in the GPU test of this function as a reference).
     """
     n, c = x.shape[:2]
-    y, mean, rstd = torch.native_group_norm(x.to(_acc_dtype(x.dtype)), weight, bias, n, c,
-                                            math.prod(x.shape[2:]), num_groups, eps)
+    xa = x.to(_acc_dtype(x.dtype))
+    xa = xa if xa.device.type == "cpu" else xa.contiguous()
+    y, mean, rstd = torch.native_group_norm(xa, weight, bias, n, c, math.prod(x.shape[2:]), num_groups, eps)
     y = y.type(x.dtype)
     return (F.silu(y) if silu else y), mean, rstd
 
