@@ -123,7 +123,7 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     layout = _with(best, "channels_last_3d")
     graphs = _swap(layout, "compile", "compile_cudagraphs")
     eager = tuple(name for name in best if name != "compile")
-    for stack in _unique([(), best, layout]):
+    for stack in _unique([(), best, layout, _with(eager, "channels_last_3d")]):
         yield ["bench=denoise_step", _recipe(stack)]
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*eager, "checkpointing"))]
     for batch in (1, 4, 8):
