@@ -76,10 +76,43 @@ def triton_available() -> bool:
     return True
 
 
+def is_channels_last_3d(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a 5-D tensor stored NDHWC (and not also NCDHW, as C = 1 or S = 1 are)."""
+    return (x.dim() == 5 and not x.is_contiguous()
+            and x.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+def group_norm_channels_last(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
+                             bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """GroupNorm of an NDHWC tensor computed in that layout, returned NDHWC, in float32.
+
+    ``native_group_norm``'s decomposition (what inductor compiles) reshapes x to (N, G, Cg·S):
+    for a channels-last input that reshape is a copy, the result is NCDHW, and every following
+    convolution pays cuDNN's nchwToNhwc/nhwcToNchw conversions (about 6 ms of a 28 ms compiled
+    bf16 forward at 128³ on the H200). Here x is viewed as (N, S, G, Cg), a view of NDHWC
+    memory, the statistics reduce over (S, Cg), and the output keeps x's strides.
+    Same maths as ``F.group_norm`` (biased variance); float32 rounding may differ.
+    """
+    n, c = x.shape[:2]
+    xg = x.permute(0, 2, 3, 4, 1).reshape(n, -1, num_groups, c // num_groups).float()
+    var, mean = torch.var_mean(xg, dim=(1, 3), keepdim=True, correction=0)
+    y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(n, *x.shape[2:], c)
+    if weight is not None:
+        y = y * weight + bias  # (C,) broadcasts over the innermost, channel, dimension
+    return y.permute(0, 4, 1, 2, 3)
+
+
 def group_norm_act_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                          bias: torch.Tensor | None, eps: float, silu: bool) -> torch.Tensor:
-    """Reference maths: GroupNorm32 (fp32 statistics, cast back to x's dtype), then SiLU."""
-    y = F.group_norm(x.float(), num_groups, weight, bias, eps).type(x.dtype)
+    """Reference maths: GroupNorm32 (fp32 statistics, cast back to x's dtype), then SiLU.
+
+    NCDHW inputs take ``F.group_norm`` (bit-identical to Med-DDPM's GroupNorm32); channels-last-3D
+    inputs take :func:`group_norm_channels_last`, so that compiled code stays channels-last.
+    """
+    if is_channels_last_3d(x):
+        y = group_norm_channels_last(x, num_groups, weight, bias, eps).type(x.dtype)
+    else:
+        y = F.group_norm(x.float(), num_groups, weight, bias, eps).type(x.dtype)
     return F.silu(y) if silu else y
 
 

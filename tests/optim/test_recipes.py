@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_batch, tiny_unet
@@ -68,6 +69,18 @@ def test_fused_groupnorm_matches_groupnorm32_under_bf16_autocast() -> None:
         out = fused(x.bfloat16())
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
     assert torch.equal(group_norm_act_torch(x, 32, None, None, 1e-5, False), F.group_norm(x, 32))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_channels_last_group_norm_keeps_the_layout_and_the_maths(affine: bool) -> None:
+    """NDHWC input: same values as GroupNorm32 on the NCDHW copy, and NDHWC out (no relayout)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 48, 5, 6, 7, generator=gen) * 3 + 1).contiguous(memory_format=torch.channels_last_3d)
+    w, b = (torch.randn(48, generator=gen), torch.randn(48, generator=gen)) if affine else (None, None)
+    out = group_norm_act_torch(x, 16, w, b, 1e-5, True)
+    ref = F.silu(F.group_norm(x.contiguous(), 16, w, b, 1e-5))
+    assert out.is_contiguous(memory_format=torch.channels_last_3d) and not out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_sdpa_core_matches_reference_scale() -> None:
