@@ -161,11 +161,13 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
         yield [*common, "bench=denoise_step", _recipe(stack)]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
+    for steps in QUALITY_STEPS:  # ancestral DDIM (eta = 1): the stochastic few-step sampler
+        yield [*sampling, "sampler=ddim", f"sampler.steps={steps}", "sampler.eta=1.0", "recipe=[]"]
+    for steps in (10, 25):
+        yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
     for steps in QUALITY_STEPS:
         for sampler in QUALITY_SAMPLERS:
             yield [*sampling, f"sampler={sampler}", f"sampler.steps={steps}", "recipe=[]"]
-    for steps in (10, 25):
-        yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
 
 
 def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:

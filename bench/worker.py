@@ -35,6 +35,7 @@ import torch
 from bench.records import MEASURED_FIELDS
 from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, run_scenario
 from med_ddpm.quality import gate_from_config
+from med_ddpm.sample import CONFIG_DIR
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 FAULTS = ("oom", "nan", "error", "segfault")  # bench.inject: test-only fault injection
@@ -80,6 +81,19 @@ def classify(err: BaseException) -> tuple[str, str]:
     return "error", message + "\n" + "".join(traceback.format_tb(err.__traceback__)[-3:])
 
 
+def sampler_label(node: Mapping[str, Any]) -> str:
+    """The sampler's name, plus the options that differ from its config group's defaults:
+    ``ddim`` for ``configs/sampler/ddim.yaml`` as is, ``ddim(eta=1.0)`` for ``sampler.eta=1.0``,
+    so rows of one sampler with different options are different workloads (and job keys)."""
+    from omegaconf import OmegaConf
+
+    path = Path(CONFIG_DIR) / "sampler" / f"{node['name']}.yaml"
+    defaults = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
+    changed = [f"{k}={v}" for k, v in node.items()
+               if k not in ("name", "steps", "_target_") and defaults.get(k, v) != v]
+    return f"{node['name']}({','.join(changed)})" if changed else str(node["name"])
+
+
 def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
     """Identity fields of a job's row, known before anything runs."""
     cfg = job["config"]
@@ -89,7 +103,7 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
         "model": job["model"],
         "image_size": list(cfg["model"]["image_size"]),
         "batch_size": int(cfg["bench"]["batch_size"]),
-        "sampler": cfg["sampler"]["name"] if sampling else None,
+        "sampler": sampler_label(cfg["sampler"]) if sampling else None,
         "steps": (cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"]) if sampling else None,
         "recipes": list(job["recipes"]),
         **dict.fromkeys(MEASURED_FIELDS),

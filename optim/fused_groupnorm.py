@@ -82,16 +82,18 @@ def is_channels_last_3d(x: torch.Tensor) -> bool:
             and x.is_contiguous(memory_format=torch.channels_last_3d))
 
 
-def group_norm_channels_last(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
-                             bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """GroupNorm of an NDHWC tensor computed in that layout, returned NDHWC, in float32.
+def group_norm_act_channels_last(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
+                                 bias: torch.Tensor | None, eps: float, silu: bool) -> torch.Tensor:
+    """GroupNorm32 (+SiLU) of an NDHWC tensor computed in that layout and returned NDHWC.
 
     ``native_group_norm``'s decomposition (what inductor compiles) reshapes x to (N, G, Cg·S):
-    for a channels-last input that reshape is a copy, the result is NCDHW, and every following
-    convolution pays cuDNN's nchwToNhwc/nhwcToNchw conversions (about 6 ms of a 28 ms compiled
-    bf16 forward at 128³ on the H200). Here x is viewed as (N, S, G, Cg), a view of NDHWC
-    memory, the statistics reduce over (S, Cg), and the output keeps x's strides.
-    Same maths as ``F.group_norm`` (biased variance); float32 rounding may differ.
+    for a channels-last input that reshape is a copy and the result is NCDHW. Here x is viewed
+    as (N, S, G, Cg), a view of NDHWC memory; the statistics reduce over (S, Cg); normalise,
+    affine, cast and SiLU all happen on the (N, D, H, W, C) view and only then is it permuted
+    back. The last op is a view, so inductor writes the buffer NDHWC and the next convolution
+    gets a channels-last input. (If SiLU came after the permute, inductor would lay its output
+    out NCDHW, its default for a pointwise result.) Same maths as ``F.group_norm`` (biased
+    variance) in float32; rounding may differ from it in the last bit.
     """
     n, c = x.shape[:2]
     xg = x.permute(0, 2, 3, 4, 1).reshape(n, -1, num_groups, c // num_groups).float()
@@ -99,7 +101,8 @@ def group_norm_channels_last(x: torch.Tensor, num_groups: int, weight: torch.Ten
     y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(n, *x.shape[2:], c)
     if weight is not None:
         y = y * weight + bias  # (C,) broadcasts over the innermost, channel, dimension
-    return y.permute(0, 4, 1, 2, 3)
+    y = y.type(x.dtype)
+    return (F.silu(y) if silu else y).permute(0, 4, 1, 2, 3)
 
 
 def group_norm_act_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
@@ -107,12 +110,11 @@ def group_norm_act_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor 
     """Reference maths: GroupNorm32 (fp32 statistics, cast back to x's dtype), then SiLU.
 
     NCDHW inputs take ``F.group_norm`` (bit-identical to Med-DDPM's GroupNorm32); channels-last-3D
-    inputs take :func:`group_norm_channels_last`, so that compiled code stays channels-last.
+    inputs take :func:`group_norm_act_channels_last`, so that compiled code stays channels-last.
     """
     if is_channels_last_3d(x):
-        y = group_norm_channels_last(x, num_groups, weight, bias, eps).type(x.dtype)
-    else:
-        y = F.group_norm(x.float(), num_groups, weight, bias, eps).type(x.dtype)
+        return group_norm_act_channels_last(x, num_groups, weight, bias, eps, silu)
+    y = F.group_norm(x.float(), num_groups, weight, bias, eps).type(x.dtype)
     return F.silu(y) if silu else y
 
 
