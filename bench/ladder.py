@@ -161,8 +161,11 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
         yield [*common, "bench=denoise_step", _recipe(stack)]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
-    for steps in QUALITY_STEPS:  # ancestral DDIM (eta = 1): the stochastic few-step sampler
-        yield [*sampling, "sampler=ddim", f"sampler.steps={steps}", "sampler.eta=1.0", "recipe=[]"]
+    for steps in (25, 10, 50, 100):  # the stochastic few-step samplers: SDE-DPM-Solver++, DDIM eta = 1
+        yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", f"sampler.steps={steps}", "recipe=[]"]
+        yield [*sampling, "sampler=ddim", "sampler.eta=1.0", f"sampler.steps={steps}", "recipe=[]"]
+        if steps == 10:
+            yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25", _recipe(best)]
     for steps in (10, 25):
         yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
     for steps in QUALITY_STEPS:

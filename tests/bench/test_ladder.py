@@ -33,7 +33,7 @@ def test_quality_preset_gates_the_quality_model_with_a_shared_reference(tmp_path
     swept = {(c["sampler"]["name"], c["sampler"]["steps"]) for c in configs if c["bench"]["scenario"] == "full_sample"}
     assert {(s, n) for s in ("ddim", "dpm_solver_pp", "deis") for n in (10, 25, 50, 100)} <= swept
     labels = {base_row(compose_job(job, tmp_path / str(n)))["sampler"] for n, job in enumerate(jobs)}
-    assert {"ddpm", "ddim", "ddim(eta=1.0)", "dpm_solver_pp", "deis"} <= labels, "eta=1 rows are their own workload"
+    assert {"ddpm", "ddim", "ddim(eta=1.0)", "dpm_solver_pp", "dpm_solver_pp(variant=sde)", "deis"} <= labels, "eta=1 rows are their own workload"
     with pytest.raises(SystemExit, match="checkpoint=PATH"):
         list(quality_ladder(DEFAULT_BEST, None))
 

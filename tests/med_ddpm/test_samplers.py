@@ -98,6 +98,8 @@ def test_bad_arguments_raise_clear_errors(schedule):
         DEISSampler(schedule, order=4)
     with pytest.raises(ValueError, match="variant"):
         DEISSampler(schedule, variant="rk")
+    with pytest.raises(ValueError, match="variant for dpm_solver_pp"):
+        DPMSolverPPSampler(schedule, variant="ito")
     with pytest.raises(ValueError, match="eta"):
         DDIMSampler(schedule, eta=-0.1)
 
@@ -303,6 +305,24 @@ def test_ancestral_samples_match_the_data_distribution(schedule, name):
     x0 = toy.run(sampler, x_T, noise)
     assert abs(float(x0.mean()) - mu) < 0.015
     assert abs(float(x0.std()) / s - 1) < 0.05
+
+
+@pytest.mark.parametrize("steps", [25, 50])
+def test_sde_dpm_solver_pp_samples_match_the_data_distribution(schedule, steps):
+    """SDE-DPM-Solver++(2M) with exact ε on N(μ, s²), 4096 samples: unlike DDIM η = 1 at 50 steps
+    (~11 % low), it keeps the spread at few steps (measured: std +0.5 % at 25 and +0.6 % at 50)."""
+    mu, s = 0.2, 0.3
+    toy = GaussianToy(schedule, mu, s)
+    gen = torch.Generator().manual_seed(0)
+    sampler = build_sampler("dpm_solver_pp", schedule, steps, variant="sde")
+    assert sampler.stochastic
+    x_T = torch.randn(4096, generator=gen, dtype=torch.float64)
+    noise = list(torch.randn(steps, 4096, generator=gen, dtype=torch.float64))
+    x0 = toy.run(sampler, x_T, noise)
+    assert abs(float(x0.mean()) - mu) < 0.01
+    assert abs(float(x0.std()) / s - 1) < 0.02
+    ode = toy.run(build_sampler("dpm_solver_pp", schedule, steps), x_T)
+    assert float((x0 - ode).abs().mean()) > 0.05, "the SDE variant must actually inject noise"
 
 
 def test_registry_lists_every_sampler():
