@@ -249,14 +249,8 @@ class DPMSolverPPSampler(FewStepSampler):
 
     sequential = True
 
-    def __init__(
-        self,
-        schedule: NoiseSchedule,
-        order: int = 2,
-        variant: str = "ode",
-        clip_denoised: bool = True,
-        spacing: str = "trailing",
-    ):
+    def __init__(self, schedule: NoiseSchedule, order: int = 2, variant: str = "ode",
+                 clip_denoised: bool = True, spacing: str = "trailing"):
         if order not in (1, 2):
             raise ValueError(f"sampler.order for dpm_solver_pp must be 1 or 2; got {order}")
         if variant not in ("ode", "sde"):
