@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from bench.records import MEASURED_FIELDS
 from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, run_scenario
 from med_ddpm.quality import gate_from_config
 from med_ddpm.sample import CONFIG_DIR
+from med_ddpm.samplers import sampler_options
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 FAULTS = ("oom", "nan", "error", "segfault")  # bench.inject: test-only fault injection
@@ -85,12 +87,9 @@ def sampler_label(node: Mapping[str, Any]) -> str:
     """The sampler's name, plus the options that differ from its config group's defaults:
     ``ddim`` for ``configs/sampler/ddim.yaml`` as is, ``ddim(eta=1.0)`` for ``sampler.eta=1.0``,
     so rows of one sampler with different options are different workloads (and job keys)."""
-    from omegaconf import OmegaConf
-
     path = Path(CONFIG_DIR) / "sampler" / f"{node['name']}.yaml"
     defaults = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
-    changed = [f"{k}={v}" for k, v in node.items()
-               if k not in ("name", "steps", "_target_") and defaults.get(k, v) != v]
+    changed = [f"{k}={v}" for k, v in sampler_options(node).items() if defaults.get(k, v) != v]
     return f"{node['name']}({','.join(changed)})" if changed else str(node["name"])
 
 

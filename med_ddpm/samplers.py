@@ -390,9 +390,14 @@ def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, 
 
 
 
+def sampler_options(node: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``sampler`` config node's own options: everything but ``name``, ``steps`` and ``_target_``."""
+    return {k: v for k, v in node.items() if k not in ("name", "steps", "_target_")}
+
+
 def sampler_from_config(node: Mapping[str, Any], schedule: NoiseSchedule) -> Sampler:
     """A sampler from a ``sampler`` config node (``name``, ``steps`` and its own keys), timesteps set."""
-    extra = {k: v for k, v in node.items() if k not in ("name", "steps", "_target_")}
+    extra = sampler_options(node)
     return build_sampler(node["name"], schedule, node.get("steps"), **extra)
 
 @torch.no_grad()

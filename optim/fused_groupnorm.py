@@ -90,10 +90,11 @@ def group_norm_act_channels_last(x: torch.Tensor, num_groups: int, weight: torch
     for a channels-last input that reshape is a copy and the result is NCDHW. Here x is viewed
     as (N, S, G, Cg), a view of NDHWC memory; the statistics reduce over (S, Cg); normalise,
     affine, cast and SiLU all happen on the (N, D, H, W, C) view and only then is it permuted
-    back. The last op is a view, so inductor writes the buffer NDHWC and the next convolution
-    gets a channels-last input. (If SiLU came after the permute, inductor would lay its output
-    out NCDHW, its default for a pointwise result.) Same maths as ``F.group_norm`` (biased
-    variance) in float32; rounding may differ from it in the last bit.
+    back. The last op is a view, so the buffer inductor writes can be NDHWC and the next
+    convolution can get a channels-last input (with SiLU after the permute, the H200 profile still
+    showed cuDNN's conversions; whether this order removes them is not yet measured on a GPU).
+    Same maths as ``F.group_norm`` (biased variance) in float32; rounding may differ from it in
+    the last bit.
     """
     n, c = x.shape[:2]
     xg = x.permute(0, 2, 3, 4, 1).reshape(n, -1, num_groups, c // num_groups).float()
@@ -110,7 +111,7 @@ def group_norm_act_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor 
     """Reference maths: GroupNorm32 (fp32 statistics, cast back to x's dtype), then SiLU.
 
     NCDHW inputs take ``F.group_norm`` (bit-identical to Med-DDPM's GroupNorm32); channels-last-3D
-    inputs take :func:`group_norm_act_channels_last`, so that compiled code stays channels-last.
+    inputs take :func:`group_norm_act_channels_last`, so that compiled code can stay channels-last.
     """
     if is_channels_last_3d(x):
         return group_norm_act_channels_last(x, num_groups, weight, bias, eps, silu)
