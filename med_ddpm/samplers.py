@@ -70,6 +70,14 @@ class Sampler:
         """Forward process q(x_t | x₀), so a caller can start a chain mid-way (e.g. SDEdit)."""
         return self.schedule.add_noise(x0, noise, t)
 
+    @staticmethod
+    def _fresh_noise(noise: torch.Tensor | None, x_t: torch.Tensor,
+                     generator: torch.Generator | None) -> torch.Tensor:
+        """The caller's step noise z, or a fresh N(0, I) draw like x_t from ``generator``."""
+        if noise is not None:
+            return noise
+        return torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+
     def _t_batch(self, t: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.full((x.shape[0],), int(t), device=x.device, dtype=torch.long)
 
@@ -104,8 +112,7 @@ class DDPMSampler(Sampler):
         mean = self.schedule.posterior_mean(pred_x0, x_t, tb)
         if int(t) == 0:
             return StepOutput(mean, pred_x0)
-        if noise is None:
-            noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+        noise = self._fresh_noise(noise, x_t, generator)
         std = torch.exp(0.5 * extract(self.schedule.posterior_log_variance_clipped, tb, x_t.dim()))
         return StepOutput(mean + std * noise, pred_x0)
 
@@ -221,8 +228,7 @@ class DDIMSampler(FewStepSampler):
         std = self.eta * math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))  # eq. 16
         prev = math.sqrt(a_prev) * pred_x0 + math.sqrt(max(1 - a_prev - std**2, 0.0)) * model_output
         if std > 0:
-            if noise is None:
-                noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+            noise = self._fresh_noise(noise, x_t, generator)
             prev = prev + std * noise
         return StepOutput(prev, pred_x0)
 
@@ -281,8 +287,7 @@ class DPMSolverPPSampler(FewStepSampler):
         if self.variant == "ode":
             prev = (self.sigma[k + 1] / self.sigma[k]) * x_t - self.alpha[k + 1] * math.expm1(-h) * d
         else:
-            if noise is None:
-                noise = torch.randn(x_t.shape, generator=generator, device=x_t.device, dtype=x_t.dtype)
+            noise = self._fresh_noise(noise, x_t, generator)
             prev = ((self.sigma[k + 1] / self.sigma[k] * math.exp(-h)) * x_t
                     - self.alpha[k + 1] * math.expm1(-2 * h) * d
                     + self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * h)) * noise)
