@@ -106,12 +106,15 @@ def markdown(profiles: list[dict]) -> str:
     lines.append("| **total** | " + " | ".join(f"**{p['total_ms']:.3f}**" for p in profiles) + " |")
     lines.append("| Tensor-Core share | " + " | ".join(f"{p['tensor_core_share']:.1%}" for p in profiles) + " |")
     for p in profiles:
+        launched = any(k.get("launched_by") for k in p["top"])
         lines += ["", f"## Top kernels: {p['label']} ({p['scenario']}, {p['activity']})", "",
-                  "| # | kernel | category | TC | calls | ms/step | share |", "|---|---|---|---|---|---|---|"]
+                  "| # | kernel | category | TC | calls | ms/step | share |" + (" launched by |" if launched else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if launched else "")]
         for i, k in enumerate(p["top"], start=1):
             name = short_name(k["name"]).replace("|", "\\|")
+            by = f" {short_name(k.get('launched_by') or '', 70).replace('|', '/')} |" if launched else ""
             lines.append(f"| {i} | `{name}` | {k['category']} | {'y' if k['tensor_core'] else ''} | "
-                         f"{k['calls']} | {k['time_us'] / 1e3 / p['steps']:.3f} | {k['share']:.1%} |")
+                         f"{k['calls']} | {k['time_us'] / 1e3 / p['steps']:.3f} | {k['share']:.1%} |{by}")
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,21 @@ from med_ddpm.utils import atomic_write_text, resolve_device
 NCU = "/usr/local/cuda/bin/ncu"
 
 
+def _launchers(prof: torch.profiler.profile) -> dict[str, str]:
+    """Kernel name -> the operator and input shapes that launched it most often.
+
+    Says which layer a kernel serves: a name such as ``cutlass_80_simt_sgemm`` alone does not
+    tell which matmul runs in fp32 under autocast. Inductor's own Triton kernels have no
+    launching operator and are left out.
+    """
+    seen: dict[str, Counter[str]] = defaultdict(Counter)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            for k in e.kernels:
+                seen[k.name][f"{e.name} {e.input_shapes}" if e.input_shapes else e.name] += 1
+    return {name: c.most_common(1)[0][0] for name, c in seen.items()}
+
+
 def _events(prof: torch.profiler.profile, device: torch.device) -> list[tuple[str, float]]:
     """(name, µs) of every GPU kernel/memcpy on CUDA; of every operator's self CPU time on CPU."""
     if device.type == "cuda":
@@ -53,8 +69,9 @@ def _events(prof: torch.profiler.profile, device: torch.device) -> list[tuple[st
     return [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
 
 
-def profile_step(cfg: dict[str, Any], device: torch.device) -> list[tuple[str, float]]:
-    """Warm up, then record ``profile.steps`` calls of the scenario's step."""
+def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[str, float]], dict[str, str]]:
+    """Warm up, then record ``profile.steps`` calls of the scenario's step: the events and, per
+    GPU kernel, its launching operator."""
     p = cfg["profile"]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -63,17 +80,22 @@ def profile_step(cfg: dict[str, Any], device: torch.device) -> list[tuple[str, f
         for _ in range(int(p["warmup"])):
             step()
         synchronize(device)
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, record_shapes=device.type == "cuda") as prof:
             for _ in range(int(p["steps"])):
                 step()
             synchronize(device)
-    return _events(prof, device)
+    return _events(prof, device), _launchers(prof) if device.type == "cuda" else {}
 
 
-def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], device: torch.device) -> dict:
-    """The JSON record of one profiled stack: per-category ms/step, top kernels, Tensor-Core share."""
+def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], device: torch.device,
+              launchers: dict[str, str] | None = None) -> dict:
+    """The JSON record of one profiled stack: per-category ms/step, top kernels (with their
+    launching operator where known), Tensor-Core share."""
     steps = int(cfg["profile"]["steps"])
     times, counts = kernels.aggregate(events)
+    top = kernels.top_kernels(times, counts, int(cfg["profile"]["top"]))
+    for k in top:
+        k["launched_by"] = (launchers or {}).get(k["name"], "")
     return {
         "label": label, "scenario": cfg["bench"]["scenario"], "batch_size": cfg["bench"]["batch_size"],
         "activity": "GPU kernels" if device.type == "cuda" else "CPU operator self time",
@@ -81,7 +103,7 @@ def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], 
         "categories_ms": {k: v / 1e3 / steps for k, v in kernels.breakdown(times).items()},
         "total_ms": sum(times.values()) / 1e3 / steps,
         "tensor_core_share": kernels.tensor_core_share(times),
-        "top": kernels.top_kernels(times, counts, int(cfg["profile"]["top"])),
+        "top": top,
     }
 
 
@@ -156,7 +178,8 @@ def main(cfg: DictConfig) -> None:
     device = resolve_device(config["device"])
     label = "+".join(job["recipes"]) or "fp32"
     out = Path(config["profile"]["out"] or sweep_dir_of(hc))
-    record = summarise(profile_step(config, device), label, config, device)
+    events, launchers = profile_step(config, device)
+    record = summarise(events, label, config, device, launchers)
     if config["profile"]["ncu"]:
         try:
             record["ncu"] = run_ncu(config, record, out)

@@ -74,3 +74,28 @@ def test_inductor_kernels_are_named_by_what_they_run(name, category):
     """Inductor names fused kernels after the ops they absorbed: a conv bias add is not a convolution."""
     assert kernels.categorise(name) == category
     assert kernels.is_tensor_core(name) == name.startswith("nvjet")
+
+
+def test_top_kernels_name_the_operator_that_launched_them():
+    """A fp32 SIMT GEMM under autocast is only actionable if the table says which op ran it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.profile import _launchers
+
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    sgemm = "cutlass_80_simt_sgemm_256x128_8x4_nn_align1"
+    op = lambda name, shapes, *launched: SimpleNamespace(  # noqa: E731
+        device_type=cpu, name=name, input_shapes=shapes, kernels=[SimpleNamespace(name=k) for k in launched])
+    events = [op("aten::mm", [[1, 256], [256, 768]], sgemm), op("aten::mm", [[1, 256], [256, 768]], sgemm),
+              op("aten::addmm", [[4096, 256]], sgemm), op("aten::add", [], "vectorized_elementwise"),
+              SimpleNamespace(device_type=gpu, name=sgemm, input_shapes=[], kernels=[])]
+    launchers = _launchers(SimpleNamespace(events=lambda: events))
+    assert launchers == {sgemm: "aten::mm [[1, 256], [256, 768]]", "vectorized_elementwise": "aten::add"}
+    times, counts = kernels.aggregate([(sgemm, 50.0), ("triton_poi_fused_add_0", 10.0)])
+    top = [{**k, "launched_by": launchers.get(k["name"], "")} for k in kernels.top_kernels(times, counts)]
+    record = {"label": "bf16", "scenario": "denoise_step", "activity": "GPU kernels", "steps": 1,
+              "categories_ms": kernels.breakdown(times), "total_ms": 0.06, "tensor_core_share": 0.0, "top": top}
+    text = kernels.markdown([record])
+    assert "launched by |" in text and "aten::mm [[1, 256], [256, 768]] |" in text

@@ -109,3 +109,34 @@ def test_fused_groupnorm_triton_backward_matches_torch() -> None:
         outs.append((y, *grads))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _conv_output_strides(layout_optimization) -> list[tuple[int, ...]]:
+    """Strides of every convolution output in inductor's generated code for a bf16 NDHWC block."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from optim.compile import compile_model
+    from optim.fused_groupnorm import fuse_groupnorm
+
+    torch._dynamo.reset()
+    block = torch.nn.Sequential(torch.nn.Conv3d(32, 64, 3, padding=1), torch.nn.GroupNorm(32, 64), torch.nn.SiLU(),
+                                torch.nn.Conv3d(64, 64, 3, padding=1)).cuda()
+    block = block.to(memory_format=torch.channels_last_3d)
+    fuse_groupnorm(block, impl="torch")
+    compile_model(block, layout_optimization=layout_optimization)
+    x = torch.randn(1, 32, 16, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last_3d)
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        _, code = run_and_get_code(block, x)
+    found = re.findall(r"assert_size_stride\(buf\d+, \([\d, ]+\), \(([\d, ]+)\), 'torch\.ops\.aten\.convolution", code[0])
+    return [tuple(int(s) for s in strides.split(",") if s.strip()) for strides in found]
+
+
+def test_compile_keeps_ndhwc_convolutions_only_with_layout_optimisation_off() -> None:
+    """The cause of cuDNN's layout conversions under compile: with inductor's (2-D only) layout
+    optimisation on, 3-D convs run NCDHW; ``auto`` (off for NDHWC weights) keeps them NDHWC."""
+    ndhwc = (64 * 16**3, 1, 64 * 16**2, 64 * 16, 64)
+    kept = _conv_output_strides("auto")
+    assert len(kept) == 2 and all(s == ndhwc for s in kept), kept
+    assert any(s != ndhwc for s in _conv_output_strides(True)), "inductor now keeps 3-D NDHWC: auto can go"

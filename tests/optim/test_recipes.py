@@ -124,3 +124,27 @@ def test_reduce_overhead_compile_marks_a_step_and_clones_the_output(monkeypatch)
     assert torch.equal(second, torch.full((3,), 2.0))
     plain = compile_model(Net(), mode="default")
     assert plain(torch.ones(3)).data_ptr() == shared.data_ptr() and marks == [1, 1]
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_keeps_channels_last_3d_strides_by_switching_inductor_layout_optimisation_off(
+        monkeypatch, mode) -> None:
+    """Inductor's layout optimisation is 2-D only and, when on, unpins 3-D conv input strides, so
+    an NDHWC model pays cuDNN layout conversions; ``auto`` must turn it off for NDHWC weights only,
+    keep the mode's own options, and leave an NCDHW model to inductor's heuristic."""
+    from optim.compile import Compile, compile_model
+
+    calls: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    compile_model(tiny_unet().to(memory_format=torch.channels_last_3d), mode=mode)
+    mode_options = torch._inductor.list_mode_options(mode)
+    assert calls[-1]["options"] == {**mode_options, "layout_optimization": False} and "mode" not in calls[-1]
+    compile_model(tiny_unet(), mode=mode)
+    assert calls[-1]["mode"] == mode and "options" not in calls[-1]
+    compile_model(tiny_unet(), mode=mode, layout_optimization=True)
+    assert calls[-1]["options"]["layout_optimization"] is True
+    recipe = Compile(mode=mode)
+    recipe.prepare_model(tiny_unet().to(memory_format=torch.channels_last_3d))
+    assert recipe.describe()["inductor_layout_optimization"] is False
+    with pytest.raises(ValueError, match="layout_optimization"):
+        Compile(layout_optimization="sometimes")
