@@ -29,7 +29,7 @@ from med_ddpm.utils import atomic_write_text
 
 COLUMNS = ("scenario", "model", "batch_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
            "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s", "tflops",
-           "peak_fraction", "precision", "compile_s", "quality", "quality_value", "message")
+           "peak_fraction", "precision", "compile_s", "quality", "quality_value", "code", "message")
 QUALITY_METRIC = "x0_nrmse"  # gate number on the x-axis of the Pareto plot (lower is better)
 
 
@@ -59,6 +59,7 @@ def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> lis
             "mem_vs_baseline": _ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib")) if base and ok else None,
             "quality": (row.get("quality") or {}).get("verdict"),
             "quality_value": _quality_value(row, metric),
+            "code": (row.get("env") or {}).get("git_sha"),
             "message": "" if ok else (row.get("message") or "").splitlines()[0][:120] if row.get("message") else "",
             "has_baseline": base is not None,
         })
@@ -82,9 +83,12 @@ def to_csv(table: list[dict[str, Any]]) -> str:
 
 
 def env_summary(rows: list[dict[str, Any]]) -> str:
-    env = next((r["env"] for r in rows if r.get("env")), None) or {}
+    """The environment of the rows; a key whose value differs between rows lists every value
+    (a results file merged from several runs must not claim one git commit for all)."""
+    envs = [r["env"] for r in rows if r.get("env")]
     keys = ("gpu", "compute_capability", "driver", "cuda", "cudnn", "torch", "monai", "git_sha", "hostname")
-    return ", ".join(f"{k} {env[k]}" for k in keys if env.get(k) is not None) or "unknown environment"
+    values = {k: list(dict.fromkeys(str(e[k]) for e in envs if e.get(k) is not None)) for k in keys}
+    return ", ".join(f"{k} {' / '.join(v)}" for k, v in values.items() if v) or "unknown environment"
 
 
 def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
@@ -93,7 +97,7 @@ def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     for r in table:
         groups[baseline_key(r)].append(r)
     shown = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speedup", "peak_mem_gib",
-             "mem_vs_baseline", "volumes_per_s", "tflops", "peak_fraction", "compile_s", "quality", "message")
+             "mem_vs_baseline", "volumes_per_s", "tflops", "peak_fraction", "compile_s", "quality", "code", "message")
     lines = ["# Benchmark report", "", f"Environment: {env_summary(rows)}.", "",
              "Speed-up and memory are relative to the strict-FP32 row (`[] (fp32)`) of the same workload "
              "in this sweep; times are per call in ms (median, p10, p90; IQR as % of the median).", ""]

@@ -77,3 +77,15 @@ def test_bad_status_refused(tmp_path):
     with pytest.raises(ValueError, match="status"):
         append_row(tmp_path / "r.jsonl", {**row([], 1.0), "status": "great"})
     assert not (tmp_path / "r.jsonl").exists() or json.loads("[]") == []
+
+
+def test_rows_merged_from_several_runs_keep_their_commit():
+    """Rows appended by later device runs must not be labelled with the first row's commit."""
+    a, b = row([], 100.0), row(["compile"], 30.0)
+    a["env"] = {"gpu": "NVIDIA H200", "git_sha": "ac09301"}
+    b["env"] = {"gpu": "NVIDIA H200", "git_sha": "55861c0"}
+    table = report.report_rows([a, b])
+    assert [r["code"] for r in table] == ["ac09301", "55861c0"]
+    assert "git_sha ac09301 / 55861c0" in report.env_summary([a, b])
+    assert "gpu NVIDIA H200," in report.env_summary([a, b])
+    assert "| 55861c0 |" in report.to_markdown(table, [a, b])
