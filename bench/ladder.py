@@ -164,12 +164,12 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
     for steps in (25, 10, 50, 100):  # the stochastic few-step samplers: SDE-DPM-Solver++, DDIM eta = 1
         yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", f"sampler.steps={steps}", "recipe=[]"]
         yield [*sampling, "sampler=ddim", "sampler.eta=1.0", f"sampler.steps={steps}", "recipe=[]"]
-    yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25", _recipe(best)]
-    for steps in (10, 25):
-        yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
     for steps in QUALITY_STEPS:
         for sampler in QUALITY_SAMPLERS:
             yield [*sampling, f"sampler={sampler}", f"sampler.steps={steps}", "recipe=[]"]
+    yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25", _recipe(best)]
+    for steps in (10, 25):
+        yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
 
 
 def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
