@@ -53,7 +53,8 @@ def inductor_layout_optimization(model: nn.Module, setting: str | bool) -> bool 
     puts no channels-last preference in its place. Pointwise results (the autocast weight cast,
     GroupNorm + SiLU) then default to NCDHW, and cuDNN, whose bf16 kernels are NDHWC, converts
     around every convolution (measured: 393 conversion kernels, 5.9 ms of a 29.9 ms forward,
-    bench/results/h200/tuning/). With it off, the traced channels-last strides are kept.
+    bench/results/h200/tuning/). With it off, the traced channels-last strides are kept: 0.34 ms
+    of conversions, forward 23.5 ms.
     """
     if setting == "auto":
         return False if has_channels_last_3d_weights(model) else None

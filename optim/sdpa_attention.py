@@ -4,6 +4,13 @@ The reference :class:`optim.attention.AttentionCore` materialises the (T x T) we
 at 16³ tokens (the 128³ model's attention level) that is 4096² per head, written and read
 twice. SDPA's flash and memory-efficient kernels never materialise it.
 
+Layout: Med-DDPM's q, k, v are transposes of the qkv convolution's (B, 3C, T) output, so their
+channel axis has stride T. Flash, memory-efficient and cuDNN attention need stride 1 there; without
+a copy PyTorch falls back to the math kernel, which upcasts bf16 to float32 (measured on the H200,
+bench/results/h200/tuning/profile_channels_last_compiled_d08bb6f: a float32 SIMT GEMM of
+(4096 x 192) x (192 x 4096), 6 calls, 0.98 ms of a 22.9 ms forward). ``forward`` copies each to
+stride 1 first (three 4096 x 192 copies).
+
 Equivalence: the reference scales q and k each by ch^(-1/4), i.e. the logits by 1/√ch, which
 is SDPA's ``scale``; the reference softmax runs in fp32, and flash/mem-efficient kernels also
 accumulate the softmax in fp32 (online softmax), so the results agree to rounding.
@@ -57,6 +64,7 @@ class SdpaAttentionCore(AttentionCore):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5  # = (ch^-1/4)^2 of the reference
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         context = sdpa_kernel(self._kernels) if self._kernels else contextlib.nullcontext()
         with context:
             return F.scaled_dot_product_attention(q, k, v, scale=scale)

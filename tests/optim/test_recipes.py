@@ -88,6 +88,24 @@ def test_sdpa_core_matches_reference_scale() -> None:
     torch.testing.assert_close(SdpaAttentionCore()(q, k, v), AttentionCore()(q, k, v), rtol=1e-5, atol=1e-6)
 
 
+def test_sdpa_core_hands_the_fused_kernels_unit_stride_channels(monkeypatch) -> None:
+    """Med-DDPM's q, k, v are transposed views (channel stride T); flash / efficient / cuDNN
+    attention refuse those and PyTorch falls back to a float32 math kernel. The core must pass
+    stride-1 channels, without changing the result."""
+    b, c, t = 1, 8, 64
+    qkv = torch.randn(b, 3 * c, t)
+    q, k, v = qkv.reshape(b, 1, 3 * c, t).transpose(-1, -2).split(c, dim=-1)  # as AttentionBlock does
+    assert q.stride(-1) == t
+    expected = AttentionCore()(q, k, v)
+    seen: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.extend(x.stride(-1) for x in a) or sdpa(*a, **kw))
+    out = SdpaAttentionCore()(q, k, v)
+    assert seen == [1, 1, 1]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_channels_last_audit_reports_where_layout_is_lost() -> None:
     recipe = ChannelsLast3d(audit=True)
     model = recipe.prepare_model(tiny_unet())
