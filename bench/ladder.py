@@ -6,6 +6,7 @@ Example:
     python -m bench.ladder out=results/h200 best=amp_bf16,compile # choose the "best stack" rows
     python -m bench.ladder out=results/smoke preset=smoke         # tiny CPU ladder
     python -m bench.ladder out=results/h200 dry_run=true          # list the jobs and their status
+    python -m bench.ladder out=results/h200 refresh='channels_last_3d.*compile'  # re-measure after a code change
     python -m bench.ladder out=results/h200 preset=core           # the short issue-8 ladder (one device session)
     python -m bench.ladder out=results/h200 preset=tuning         # issue 8, round 2: layout, graphs, batch, BraTS
     python -m bench.ladder out=results/h200/quality preset=quality checkpoint=runs/quality_model/checkpoints/last.pt
@@ -24,6 +25,7 @@ the ladder (and :class:`bench.sweep.EnsureBaseline` adds any that a cut run miss
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from hydra import compose, initialize_config_dir
 from bench.records import RESULTS_FILE, append_row, job_key, read_rows
 from bench.sweep import EnsureBaseline, job_spec, log_row
 from bench.worker import TIMEOUT_PREFIX, base_row, run_job
+from med_ddpm.utils import git_sha
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_MODEL = "medddpm_whole_head"
@@ -201,10 +204,26 @@ def missing_recipes(overrides: Job) -> list[str]:
     return [n for n in names if not (CONFIG_DIR / "recipe" / f"{n}.yaml").exists()]
 
 
-def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False) -> int:
-    """Run the jobs not yet in ``out/results.jsonl`` until the budget is spent; return jobs left."""
+def finished_jobs(out: Path, refresh: str | None) -> tuple[set[str], set[str]]:
+    """Job keys with a row in ``out``: any row, and rows measured by this code (``git_sha``).
+
+    ``refresh`` jobs count as done only with a row of this code, so after a code change
+    ``refresh=REGEX`` re-measures the jobs it names (old rows stay, each labelled with its
+    commit in the report) and a resumed run does not measure them twice.
+    """
+    rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
+    sha = git_sha()
+    return ({job_key(r) for r in rows},
+            {job_key(r) for r in rows if refresh and (r.get("env") or {}).get("git_sha") == sha})
+
+
+def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False, refresh: str | None = None) -> int:
+    """Run the jobs not yet in ``out/results.jsonl`` until the budget is spent; return jobs left.
+
+    ``refresh``: a regex over a job's overrides; matching jobs rerun unless this code measured them.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    done = {job_key(r) for r in read_rows(out)} if (out / RESULTS_FILE).exists() else set()
+    done, current = finished_jobs(out, refresh)
     start, left = time.monotonic(), 0
     for n, overrides in enumerate(jobs):
         if missing := missing_recipes(overrides):
@@ -212,7 +231,8 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
             continue
         job_dir = out / "jobs" / f"{n:03d}"
         job = compose_job(overrides, job_dir)
-        if job_key(base_row(job)) in done:
+        stale_ok = not (refresh and re.search(refresh, " ".join(overrides)))
+        if job_key(base_row(job)) in (done if stale_ok else current):
             continue
         remaining = budget_s - (time.monotonic() - start)
         if dry_run or remaining <= 0:
@@ -239,9 +259,9 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     args = {}
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run", "checkpoint"):
+        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run", "checkpoint", "refresh"):
             raise SystemExit(f"bench.ladder: bad argument {arg!r}; expected out=DIR [preset={'|'.join(PRESETS)}] "
-                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true] [checkpoint=PATH]")
+                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true] [checkpoint=PATH] [refresh=REGEX]")
         args[key] = value
     if "out" not in args:
         raise SystemExit("bench.ladder: out=DIR is required")
@@ -256,7 +276,8 @@ def main(argv: list[str]) -> int:
     best = tuple(n for n in args.get("best", ",".join(DEFAULT_BEST)).split(",") if n)
     ladder = PRESETS[preset]
     jobs = list(ladder(best, args.get("checkpoint")) if ladder is quality_ladder else ladder(best))
-    run_ladder(Path(args["out"]), jobs, float(args.get("budget_s", "inf")), args.get("dry_run") == "true")
+    run_ladder(Path(args["out"]), jobs, float(args.get("budget_s", "inf")), args.get("dry_run") == "true",
+               args.get("refresh"))
     return 0
 
 

@@ -47,3 +47,30 @@ def test_args_are_checked():
     assert parse_args(["out=x", "preset=quality", "checkpoint=a.pt"])["checkpoint"] == "a.pt"
     with pytest.raises(SystemExit, match="bad argument"):
         parse_args(["out=x", "bogus=1"])
+
+
+def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):
+    """After a code change, ``refresh=REGEX`` reruns the jobs it names unless this commit has a row
+    for them; other jobs and rows of this commit are still skipped (resumable)."""
+    from bench.ladder import run_ladder
+    from bench.records import RESULTS_FILE, append_row
+
+    jobs = jobs_of("smoke", tmp_path)
+    for n, job in enumerate(jobs):
+        row = {**base_row(compose_job(job, tmp_path / str(n))), "status": "ok", "message": "",
+               "env": {"git_sha": "old"}}
+        append_row(tmp_path / RESULTS_FILE, row)
+    monkeypatch.setenv("MED_DDPM_GIT_SHA", "new")
+
+    def todo(refresh):
+        capsys.readouterr()
+        run_ladder(tmp_path, jobs, budget_s=0, dry_run=True, refresh=refresh)
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
+
+    assert todo(None) == []
+    named = [" ".join(job) for job in jobs if "batch_size=2" in " ".join(job)]
+    assert named and todo("batch_size=2") == [f"[todo] {j}" for j in named]
+    first = next(job for job in jobs if "batch_size=2" in " ".join(job))
+    row = {**base_row(compose_job(first, tmp_path / "x")), "status": "ok", "message": "", "env": {"git_sha": "new"}}
+    append_row(tmp_path / RESULTS_FILE, row)
+    assert len(todo("batch_size=2")) == len(named) - 1
