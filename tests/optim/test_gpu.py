@@ -140,3 +140,16 @@ def test_compile_keeps_ndhwc_convolutions_only_with_layout_optimisation_off() ->
     kept = _conv_output_strides("auto")
     assert len(kept) == 2 and all(s == ndhwc for s in kept), kept
     assert any(s != ndhwc for s in _conv_output_strides(True)), "inductor now keeps 3-D NDHWC: auto can go"
+
+
+def test_sdpa_core_runs_med_ddpm_attention_on_the_flash_kernel() -> None:
+    """Med-DDPM's q, k, v are transposed views of the qkv conv output; restricted to flash, SDPA
+    raises on them unless the core hands it unit-stride channels (else: float32 math fallback)."""
+    from optim.sdpa_attention import SdpaAttentionCore
+
+    b, c, t = 1, 192, 4096  # the whole-head model's attention level: 16³ tokens, 192 channels
+    qkv = torch.randn(b, 3 * c, t, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.reshape(b, 1, 3 * c, t).transpose(-1, -2).split(c, dim=-1)
+    out = SdpaAttentionCore(backends=("flash",))(q, k, v)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
