@@ -93,3 +93,19 @@ def test_every_target_is_importable():
             cfg = compose_cfg("train", [override])
             for node in cfg[group].values():
                 assert instantiate(node) is not None
+
+
+def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
+    """``experiment=fast_sample`` names exactly what passed the H200 quality gate (SDE-DPM-Solver++,
+    100 steps) and the fastest measured forward stack; the default stays the exact FP32 path."""
+    from med_ddpm.samplers import sampler_from_config
+    from optim import RecipeStack
+
+    cfg = compose_cfg("sample", ["experiment=fast_sample", "checkpoint=x.pt"])
+    from med_ddpm.diffusion import NoiseSchedule
+
+    sampler = sampler_from_config(cfg.sampler, NoiseSchedule.from_config(cfg.diffusion))
+    assert type(sampler).__name__ == "DPMSolverPPSampler" and cfg.sampler.variant == "sde" and cfg.sampler.steps == 100
+    names = [r.name for r in RecipeStack.from_config(cfg.recipe).recipes]
+    assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "compile"} <= set(names)
+    assert compose_cfg("sample", ["checkpoint=x.pt"]).sampler.name == "ddpm"
