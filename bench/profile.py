@@ -50,8 +50,8 @@ def _launchers(prof: torch.profiler.profile) -> dict[str, str]:
     """Kernel name -> the operator and input shapes that launched it most often.
 
     Says which layer a kernel serves: a name such as ``cutlass_80_simt_sgemm`` alone does not
-    tell which matmul runs in fp32 under autocast. Inductor's own Triton kernels have no
-    launching operator and are left out.
+    tell which matmul runs in fp32 under autocast. Inductor launches each Triton kernel inside a
+    profiler range of the kernel's own name, so for those the entry is that name and its shapes.
     """
     seen: dict[str, Counter[str]] = defaultdict(Counter)
     for e in prof.events():
