@@ -31,6 +31,12 @@ def is_channels_last_3d(x: torch.Tensor) -> bool:
     return x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+def is_only_channels_last_3d(x: torch.Tensor) -> bool:
+    """Whether ``x`` is stored NDHWC and not also NCDHW (C = 1, S = 1 or a 1x1x1 kernel are both):
+    the tensors for which choosing the channels-last code path changes anything."""
+    return is_channels_last_3d(x) and not x.is_contiguous()
+
+
 def to_channels_last_3d(obj: T) -> T:
     """Functional twin: a module's 5-D parameters/buffers, or a 5-D tensor, to ``channels_last_3d``.
 

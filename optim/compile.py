@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from optim.base import Recipe, RecipeConflictError
-from optim.channels_last import is_channels_last_3d
+from optim.channels_last import is_only_channels_last_3d
 from optim.forward_override import override_forward
 
 MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -41,7 +41,7 @@ def check_mode(mode: str, layout_optimization: str | bool = "auto") -> None:
 
 def has_channels_last_3d_weights(model: nn.Module) -> bool:
     """Whether some 5-D parameter (a 3-D conv kernel larger than 1x1x1) is stored NDHWC."""
-    return any(p.dim() == 5 and is_channels_last_3d(p) and not p.is_contiguous() for p in model.parameters())
+    return any(is_only_channels_last_3d(p) for p in model.parameters())
 
 
 def inductor_layout_optimization(model: nn.Module, setting: str | bool) -> bool | None:
@@ -98,7 +98,12 @@ def compile_model(model: nn.Module, mode: str = "default", fullgraph: bool = Fal
     reads the parameters' layout now.
     """
     check_mode(mode, layout_optimization)
-    layout = inductor_layout_optimization(model, layout_optimization)
+    return _install(model, mode, fullgraph, dynamic, backend, inductor_layout_optimization(model, layout_optimization))
+
+
+def _install(model: nn.Module, mode: str, fullgraph: bool, dynamic: bool, backend: str,
+             layout: bool | None) -> nn.Module:
+    """Install the compiled forward, with the layout setting already resolved."""
     override_forward(model, functools.partial(_compiled, mode=mode, fullgraph=fullgraph, dynamic=dynamic,
                                               backend=backend, layout_optimization=layout))
     return model
@@ -140,8 +145,8 @@ class Compile(Recipe):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         self.prepared_at = time.time()
         self.resolved_layout_optimization = inductor_layout_optimization(model, self.layout_optimization)
-        return compile_model(model, self.mode, self.fullgraph, self.dynamic, self.backend,
-                             self.layout_optimization)
+        return _install(model, self.mode, self.fullgraph, self.dynamic, self.backend,
+                        self.resolved_layout_optimization)
 
     def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` once (normally the first forward/train step), recording its wall time.

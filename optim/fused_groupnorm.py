@@ -51,6 +51,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from optim.base import Recipe, RecipeConflictError
+from optim.channels_last import is_only_channels_last_3d
 
 IMPLS = ("auto", "triton", "torch")
 ACTS = (None, "silu")
@@ -74,12 +75,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def is_channels_last_3d(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a 5-D tensor stored NDHWC (and not also NCDHW, as C = 1 or S = 1 are)."""
-    return (x.dim() == 5 and not x.is_contiguous()
-            and x.is_contiguous(memory_format=torch.channels_last_3d))
 
 
 def group_norm_act_channels_last(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
@@ -114,7 +109,7 @@ def group_norm_act_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor 
     NCDHW inputs take ``F.group_norm`` (bit-identical to Med-DDPM's GroupNorm32); channels-last-3D
     inputs take :func:`group_norm_act_channels_last`, so that compiled code can stay channels-last.
     """
-    if is_channels_last_3d(x):
+    if is_only_channels_last_3d(x):
         return group_norm_act_channels_last(x, num_groups, weight, bias, eps, silu)
     y = F.group_norm(x.float(), num_groups, weight, bias, eps).type(x.dtype)
     return F.silu(y) if silu else y
