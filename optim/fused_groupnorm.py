@@ -83,22 +83,38 @@ def group_norm_act_channels_last(x: torch.Tensor, num_groups: int, weight: torch
 
     ``native_group_norm``'s decomposition (what inductor compiles) reshapes x to (N, G, Cg·S):
     for a channels-last input that reshape is a copy and the result is NCDHW. Here x is viewed
-    as (N, S, G, Cg), a view of NDHWC memory; the statistics reduce over (S, Cg); normalise,
-    affine, cast and SiLU all happen on the (N, D, H, W, C) view and only then is it permuted
-    back. The last op is a view, so the buffer inductor writes can be NDHWC and the next
-    convolution can get a channels-last input. On the H200 that also needs ``compile``'s
-    ``layout_optimization`` off (its ``auto``): with both, cuDNN's conversions fell from 5.9 to
-    0.34 ms and the forward from 29.9 to 23.5 ms (bench/results/h200/tuning/).
-    Same maths as ``F.group_norm`` (biased variance) in float32; rounding may differ from it in
-    the last bit.
+    as the (N, S, C) matrix its NDHWC memory is, and the statistics come in two stages:
+
+    1. per-channel mean and biased variance over S (``var_mean`` on dim 1): a column reduction
+       of a row-major matrix, whose loads are coalesced and which inductor splits over the whole
+       GPU at batch 1 (a per-group reduction of this layout reads Cg-element runs every C
+       elements: the previous form's statistics kernels ran at ~0.6-1.2 TB/s on the H200);
+    2. the Cg channel statistics of each group combined exactly, all channels having S values
+       (Chan et al.'s pairwise update): mean_g = mean_c(mean_c), var_g = mean_c(var_c) +
+       mean_c((mean_c - mean_g)²). Welford per channel, then this, has none of the cancellation
+       of E[x²] - E[x]².
+
+    Normalise, affine, cast and SiLU are then one pointwise pass, x·a_c + b_c with per-channel
+    a_c = w_c·rstd_g and b_c = bias_c - mean_g·a_c, on the (N, D, H, W, C) view, and only then is
+    it permuted back: the last op is a view, so the buffer inductor writes is NDHWC and the next
+    convolution gets a channels-last input (with ``compile``'s ``layout_optimization`` off, its
+    ``auto``). Same maths as ``F.group_norm`` (biased variance) in float32; the rounding differs
+    from it in the last bits.
     """
     n, c = x.shape[:2]
-    xg = x.permute(0, 2, 3, 4, 1).reshape(n, -1, num_groups, c // num_groups).float()
-    var, mean = torch.var_mean(xg, dim=(1, 3), keepdim=True, correction=0)
-    y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(n, *x.shape[2:], c)
+    cg = c // num_groups
+    xs = x.permute(0, 2, 3, 4, 1).reshape(n, -1, c).to(_acc_dtype(x.dtype))  # (N, S, C): NDHWC memory
+    var_c, mean_c = torch.var_mean(xs, dim=1, correction=0)
+    mean_c, var_c = mean_c.view(n, num_groups, cg), var_c.view(n, num_groups, cg)
+    mean = mean_c.mean(-1, keepdim=True)
+    var = var_c.mean(-1, keepdim=True) + (mean_c - mean).square().mean(-1, keepdim=True)
+    scale = torch.rsqrt(var + eps).expand(n, num_groups, cg)
     if weight is not None:
-        y = y * weight + bias  # (C,) broadcasts over the innermost, channel, dimension
-    y = y.type(x.dtype)
+        scale = scale * weight.view(num_groups, cg)
+    shift = -mean * scale
+    if bias is not None:
+        shift = shift + bias.view(num_groups, cg)
+    y = (xs * scale.reshape(n, 1, c) + shift.reshape(n, 1, c)).type(x.dtype).reshape(n, *x.shape[2:], c)
     return (F.silu(y) if silu else y).permute(0, 4, 1, 2, 3)
 
 
