@@ -138,6 +138,8 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
         yield ["bench=train_step", _recipe(stack)]
     yield ["bench=full_sample", "sampler=ddpm", _recipe(graphs), "bench.iters=3"]
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=10", _recipe(graphs)]
+    # the sampler that passes the quality gate (experiment=fast_sample), at 128^3 with the fastest stack
+    yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=100", _recipe(graphs)]
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing"))]
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=25", _recipe(graphs)]
     yield ["bench=denoise_step", _recipe(_swap(layout, "compile", "compile_max_autotune")), "bench.timeout_s=420"]
