@@ -1,0 +1,155 @@
+"""Kernel microbenchmarks behind two layout choices: GroupNorm32 + SiLU forms, and the end convolutions.
+
+The whole-step profiles (``bench.profile``) say *which* kernels cost; this times the candidates
+for one of them in isolation, at the whole-head network's full-resolution shapes (batch 1, one
+activation of C channels at size³), so a form can be chosen before a ladder run re-times the step:
+
+* **GroupNorm32 + SiLU** (C = 64 and 128): ``F.group_norm`` on float32, eager and compiled
+  (NCDHW, what Med-DDPM runs); ``fused_groupnorm``'s NDHWC form compiled
+  (:func:`optim.fused_groupnorm.group_norm_act_channels_last`); on CUDA its Triton kernel in both
+  layouts. Each row has the max abs error against float32 ``F.group_norm`` and the effective
+  bandwidth of one read and one write of the activation (``tb_s_rw``; the real traffic is larger:
+  the statistics read it once more).
+* **The network's end convolutions** in NDHWC: 3 -> 64 (input) and 64 -> 1 (output), as they are
+  and with their channels zero-padded to 8 (cuDNN's NDHWC kernels work in channel multiples of 8).
+
+Usage:
+    python -m bench.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
+    python -m bench.micro out=/tmp/micro size=16 compile=false     # quick check
+
+Writes ``OUT/micro.json`` (env + rows) atomically; a failing case becomes a row with ``error``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.timing import time_fn
+from med_ddpm.utils import atomic_write_text, env_info, resolve_device
+from optim.fused_groupnorm import forward_stats_triton, group_norm_act_channels_last, triton_available
+
+GROUPS, EPS = 32, 1e-5
+CHANNELS = (64, 128)
+CL = torch.channels_last_3d
+Case = tuple[str, Callable[..., torch.Tensor], torch.Tensor]
+
+
+def group_norm_silu(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps: float,
+                    silu: bool = True) -> torch.Tensor:
+    """Med-DDPM's ``GroupNorm32`` (statistics in float32, cast back) + SiLU, as the model runs it."""
+    y = F.group_norm(x.float(), groups, w, b, eps).type(x.dtype)
+    return F.silu(y) if silu else y
+
+
+def _triton(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    return forward_stats_triton(x, groups, w, b, eps, True)[0]
+
+
+def _ndhwc(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    return group_norm_act_channels_last(x, groups, w, b, eps, True)
+
+
+def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # layout optimisation off, as the compile recipe's "auto" does for NDHWC models
+    return torch.compile(fn, options={"layout_optimization": False})
+
+
+def groupnorm_cases(x: torch.Tensor, compile: bool) -> Iterator[Case]:
+    """(form, function, input) for each GroupNorm + SiLU form that runs on x's device."""
+    x_cl = x.contiguous(memory_format=CL)
+    yield "eager NCDHW composite", group_norm_silu, x
+    if compile:
+        yield "compiled NCDHW composite", _compiled(group_norm_silu), x
+        yield "compiled NDHWC form (fused_groupnorm)", _compiled(_ndhwc), x_cl
+    if x.is_cuda and triton_available():
+        yield "eager Triton NCDHW", _triton, x
+        yield "eager Triton NDHWC", _triton, x_cl
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> dict[str, float]:
+    t = time_fn(fn, warmup=5, iters=iters, device=device)
+    return {"ms_median": t.median, "ms_p10": t.p10, "ms_p90": t.p90}
+
+
+def groupnorm_rows(size: int, dtype: torch.dtype, device: torch.device, compile: bool, iters: int) -> Iterator[dict]:
+    gen = torch.Generator().manual_seed(0)
+    for c in CHANNELS:
+        x = (torch.randn(1, c, size, size, size, generator=gen) * 2 + 0.5).to(device, dtype)
+        w, b = torch.randn(c, generator=gen).to(device), torch.randn(c, generator=gen).to(device)
+        ref = group_norm_silu(x.float(), GROUPS, w, b, EPS)
+        for form, fn, inp in groupnorm_cases(x, compile):
+            row: dict[str, Any] = {"kind": "groupnorm_silu", "channels": c, "form": form}
+            try:
+                call = functools.partial(fn, inp, GROUPS, w, b, EPS)
+                out = call()
+                row.update(time_ms(call, device, iters),
+                           max_abs_err=(out.float() - ref).abs().max().item(),
+                           out_channels_last=out.is_contiguous(memory_format=CL) and not out.is_contiguous())
+                row["tb_s_rw"] = 2 * x.numel() * x.element_size() / (row["ms_median"] * 1e-3) / 1e12
+            except Exception as err:  # one failing form is a row, not the end of the run
+                row["error"] = repr(err)[:300]
+            yield row
+
+
+def padded(t: torch.Tensor, dim: int, multiple: int = 8) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` (0 or 1 of a 5-D tensor) to a multiple of ``multiple``, kept NDHWC."""
+    extra = -t.shape[dim] % multiple
+    pad = [0, 0] * (t.dim() - dim - 1) + [0, extra]
+    return F.pad(t, pad).contiguous(memory_format=CL)
+
+
+def conv_rows(size: int, dtype: torch.dtype, device: torch.device, iters: int) -> Iterator[dict]:
+    """The input (3 -> 64) and output (64 -> 1) convolutions, as they are and padded to 8 channels."""
+    gen = torch.Generator().manual_seed(0)
+    for name, cin, cout in (("input", 3, 64), ("output", 64, 1)):
+        x = torch.randn(1, cin, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+        w = torch.randn(cout, cin, 3, 3, 3, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+        pad_dim = 1 if name == "input" else 0
+        xp = padded(x, 1) if name == "input" else x
+        variants = {f"{name} {cin}->{cout}": (x, w),
+                    f"{name} {xp.shape[1]}->{max(cout, 8)} (zero-padded)": (xp, padded(w, pad_dim))}
+        for label, (xi, wi) in variants.items():
+            row: dict[str, Any] = {"kind": "conv3d", "conv": label}
+            try:
+                row.update(time_ms(functools.partial(F.conv3d, xi, wi, padding=1), device, iters))
+            except Exception as err:
+                row["error"] = repr(err)[:300]
+            yield row
+
+
+def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30) -> Path:
+    device = resolve_device("auto")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True  # as the cudnn_benchmark recipe: the convs' best algorithm
+    try:
+        rows = [*groupnorm_rows(size, dtype, device, compile, iters), *conv_rows(size, dtype, device, iters)]
+    finally:
+        torch.backends.cudnn.benchmark = previous
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    record = {"env": env_info(device), "size": size, "dtype": str(dtype), "groups": GROUPS, "rows": rows}
+    return atomic_write_text(out / "micro.json", json.dumps(record, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    if "out" not in args or set(args) - {"out", "size", "compile", "iters"}:
+        print("usage: python -m bench.micro out=DIR [size=128] [compile=true|false] [iters=30]", file=sys.stderr)
+        return 2
+    path = run(Path(args["out"]), int(args.get("size", 128)), args.get("compile", "true") == "true",
+               int(args.get("iters", 30)))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
