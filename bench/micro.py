@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from bench.timing import time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim.fused_groupnorm import forward_stats_triton, group_norm_act_channels_last, triton_available
+from optim.pad_channels import pad_dim
 
 GROUPS, EPS = 32, 1e-5
 CHANNELS = (64, 128)
@@ -99,23 +100,16 @@ def groupnorm_rows(size: int, dtype: torch.dtype, device: torch.device, compile:
             yield row
 
 
-def padded(t: torch.Tensor, dim: int, multiple: int = 8) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` (0 or 1 of a 5-D tensor) to a multiple of ``multiple``, kept NDHWC."""
-    extra = -t.shape[dim] % multiple
-    pad = [0, 0] * (t.dim() - dim - 1) + [0, extra]
-    return F.pad(t, pad).contiguous(memory_format=CL)
-
-
 def conv_rows(size: int, dtype: torch.dtype, device: torch.device, iters: int) -> Iterator[dict]:
     """The input (3 -> 64) and output (64 -> 1) convolutions, as they are and padded to 8 channels."""
     gen = torch.Generator().manual_seed(0)
     for name, cin, cout in (("input", 3, 64), ("output", 64, 1)):
         x = torch.randn(1, cin, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
         w = torch.randn(cout, cin, 3, 3, 3, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-        pad_dim = 1 if name == "input" else 0
-        xp = padded(x, 1) if name == "input" else x
+        dim = 1 if name == "input" else 0  # pad what is narrow: input channels in, output channels out
+        xp = pad_dim(x, 1) if name == "input" else x
         variants = {f"{name} {cin}->{cout}": (x, w),
-                    f"{name} {xp.shape[1]}->{max(cout, 8)} (zero-padded)": (xp, padded(w, pad_dim))}
+                    f"{name} {xp.shape[1]}->{max(cout, 8)} (zero-padded)": (xp, pad_dim(w, dim))}
         for label, (xi, wi) in variants.items():
             row: dict[str, Any] = {"kind": "conv3d", "conv": label}
             try:

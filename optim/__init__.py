@@ -15,15 +15,16 @@ from optim.cuda_graphs import CudaGraphs, graph_denoiser
 from optim.cudnn_benchmark import CudnnBenchmark, cudnn_benchmark_enabled
 from optim.flags import effective_flags
 from optim.fused_groupnorm import FusedGroupNorm, FusedGroupNormAct, fuse_groupnorm
+from optim.pad_channels import PadConvChannels, pad_conv_out_channels
 from optim.sdpa_attention import SdpaAttention, SdpaAttentionCore, use_sdpa_attention
 from optim.stack import RecipeStack
 from optim.tf32 import Tf32, tf32_enabled
 
 __all__ = [
     "Amp", "AttentionCore", "ChannelsLast3d", "Checkpointing", "Compile", "CudaGraphs", "CudnnBenchmark",
-    "DeviceInfo", "FusedGroupNorm", "FusedGroupNormAct", "Recipe", "RecipeConflictError", "RecipeStack",
+    "DeviceInfo", "FusedGroupNorm", "FusedGroupNormAct", "PadConvChannels", "Recipe", "RecipeConflictError", "RecipeStack",
     "SdpaAttention", "SdpaAttentionCore", "Tf32", "UnsupportedRecipeError", "apply_checkpointing",
     "autocast_for", "cudnn_benchmark_enabled", "compile_model", "effective_flags", "finite_or_skip",
-    "fuse_groupnorm", "graph_denoiser", "is_channels_last_3d", "tf32_enabled", "to_channels_last_3d",
+    "fuse_groupnorm", "graph_denoiser", "is_channels_last_3d", "pad_conv_out_channels", "tf32_enabled", "to_channels_last_3d",
     "use_sdpa_attention",
 ]

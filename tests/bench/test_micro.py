@@ -6,27 +6,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bench import micro
-
-
-def test_padded_adds_zero_channels_and_keeps_ndhwc() -> None:
-    w = torch.randn(1, 64, 3, 3, 3)
-    p = micro.padded(w, 0)
-    assert p.shape == (8, 64, 3, 3, 3) and p.is_contiguous(memory_format=torch.channels_last_3d)
-    assert torch.equal(p[:1], w) and not p[1:].any()
-    x = torch.randn(1, 3, 4, 4, 4)
-    assert micro.padded(x, 1).shape[1] == 8 and torch.equal(micro.padded(x, 1)[:, :3], x)
-    assert micro.padded(torch.randn(1, 16, 2, 2, 2), 1).shape[1] == 16  # already a multiple
-
-
-def test_zero_padded_convolutions_compute_the_same_channels() -> None:
-    """The padded variants it times are the same convolution: exact zeros in, sliced channels out."""
-    x, w = torch.randn(1, 3, 6, 6, 6, dtype=torch.float64), torch.randn(64, 3, 3, 3, 3, dtype=torch.float64)
-    torch.testing.assert_close(F.conv3d(micro.padded(x, 1), micro.padded(w, 1), padding=1), F.conv3d(x, w, padding=1))
-    x, w = torch.randn(1, 64, 6, 6, 6, dtype=torch.float64), torch.randn(1, 64, 3, 3, 3, dtype=torch.float64)
-    torch.testing.assert_close(F.conv3d(x, micro.padded(w, 0), padding=1)[:, :1], F.conv3d(x, w, padding=1))
 
 
 @pytest.mark.filterwarnings("ignore:noisy timing")
