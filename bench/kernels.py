@@ -44,6 +44,9 @@ INDUCTOR_RULES: tuple[tuple[str, str], ...] = (
     ("up/down-sampling", r"unsafe_index|upsample|interpolate"),
     ("elementwise / activation", r"."),
 )
+# Fused-attention kernels checked before the rules: cuDNN's are named like convolutions
+# ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_...").
+ATTENTION = re.compile(r"sdpa|fmha|flash_(fprop|bprop|fwd|bwd)|scaled_dot_product", re.IGNORECASE)
 OTHER = "other"
 CATEGORY_NAMES = tuple(c for c, _ in CATEGORIES) + (OTHER,)
 _RULES = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in CATEGORIES]
@@ -55,6 +58,8 @@ MATH_CATEGORIES = ("convolution", "GEMM and attention")
 
 def categorise(name: str) -> str:
     """Category of one kernel (or CPU operator) name."""
+    if ATTENTION.search(name) and not INDUCTOR.search(name):
+        return "GEMM and attention"
     for category, rule in _INDUCTOR_RULES if INDUCTOR.search(name) else _RULES:
         if rule.search(name):
             return category
@@ -115,7 +120,8 @@ def markdown(profiles: list[dict]) -> str:
             by = f" {short_name(k.get('launched_by') or '', 70).replace('|', '/')} |" if launched else ""
             lines.append(f"| {i} | `{name}` | {k['category']} | {'y' if k['tensor_core'] else ''} | "
                          f"{k['calls']} | {k['time_us'] / 1e3 / p['steps']:.3f} | {k['share']:.1%} |{by}")
-    return "\n".join(lines) + "\n"
+    notes = [f"- {p['label']}: {p['note']}" for p in profiles if p.get("note")]  # corrections made after a run
+    return "\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n"
 
 
 def stacked_bar_png(profiles: list[dict], path) -> None:

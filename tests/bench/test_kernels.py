@@ -19,6 +19,9 @@ FIXTURE = {
     "ampere_sgemm_128x64_tn": "GEMM and attention",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "GEMM and attention",
     "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>": "GEMM and attention",
+    # cuDNN's fused attention is named like a convolution (fprop): measured on the H200, round 5
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x192_4x1x1_cga1x1x1_kernel0_0": "GEMM and attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x128x192_4x1x1_kernel0_0": "GEMM and attention",
     "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, Epilogue>(float*, float const*, int)": "GEMM and attention",
     "void at::native::(anonymous namespace)::upsample_trilinear3d_out_frame<float, float>(int, float, float, float)": "up/down-sampling",
     "void at::native::upsample_trilinear3d_backward_out_frame<c10::BFloat16, float>(unsigned long, int, int)": "up/down-sampling",
