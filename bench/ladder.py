@@ -122,14 +122,15 @@ def core_ladder(best: tuple[str, ...]) -> Iterator[Job]:
 def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     """Issue 8, second round, against the strict-FP32 baseline in the same run: one layout end
     to end (channels-last with compiled GroupNorm and upsampling), launch overhead (inductor's
-    CUDA-graph trees), conv autotuning, BraTS memory, and throughput against batch size."""
+    CUDA-graph trees), conv autotuning, BraTS memory, and throughput against batch size (eager and
+    the fastest compiled stacks)."""
     layout = _with(best, "channels_last_3d")
     graphs = _swap(layout, "compile", "compile_cudagraphs")
     eager = tuple(name for name in best if name != "compile")
     for stack in _unique([(), best, layout, _with(eager, "channels_last_3d")]):
         yield ["bench=denoise_step", _recipe(stack)]
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*eager, "checkpointing"))]
-    for batch in (1, 4, 8):
+    for batch in BATCHES:
         for scenario in ("train_step", "denoise_step"):
             yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(eager)]
     yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
@@ -149,6 +150,9 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels)
     yield ["bench=denoise_step", _recipe((*_swap(layout, "compile", "compile_max_autotune"), "cuda_graphs")),
            "bench.timeout_s=420"]
+    for batch in BATCHES:  # where the fastest stacks saturate the GPU (batch 1 is above)
+        yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(graphs)]
+        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(layout)]
 
 
 QUALITY_SAMPLERS = ("dpm_solver_pp", "ddim", "deis")
