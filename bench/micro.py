@@ -10,8 +10,9 @@ activation of C channels at size³), so a form can be chosen before a ladder run
   layouts. Each row has the max abs error against float32 ``F.group_norm`` and the effective
   bandwidth of one read and one write of the activation (``tb_s_rw``; the real traffic is larger:
   the statistics read it once more).
-* **The network's end convolutions** in NDHWC: 3 -> 64 (input) and 64 -> 1 (output), as they are
-  and with their channels zero-padded to 8 (cuDNN's NDHWC kernels work in channel multiples of 8).
+* **The network's end convolutions** in NDHWC: 3 -> 64 (input) as it is and with its input
+  channels zero-padded to 8, and 64 -> 1 (output) as it is and as ``pad_conv_channels`` computes it
+  (cuDNN's NDHWC kernels work in channel multiples of 8).
 
 Usage:
     python -m bench.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from bench.timing import time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim.fused_groupnorm import forward_stats_triton, group_norm_act_channels_last, triton_available
-from optim.pad_channels import pad_dim
+from optim.pad_channels import pad_dim, padded_conv_forward
 
 GROUPS, EPS = 32, 1e-5
 CHANNELS = (64, 128)
@@ -101,19 +102,22 @@ def groupnorm_rows(size: int, dtype: torch.dtype, device: torch.device, compile:
 
 
 def conv_rows(size: int, dtype: torch.dtype, device: torch.device, iters: int) -> Iterator[dict]:
-    """The input (3 -> 64) and output (64 -> 1) convolutions, as they are and padded to 8 channels."""
+    """The input (3 -> 64) convolution as it is and with its input channels zero-padded to 8, and the
+    output (64 -> 1) convolution as it is and as ``pad_conv_channels`` computes it (slice and copy included)."""
     gen = torch.Generator().manual_seed(0)
-    for name, cin, cout in (("input", 3, 64), ("output", 64, 1)):
-        x = torch.randn(1, cin, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-        w = torch.randn(cout, cin, 3, 3, 3, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-        dim = 1 if name == "input" else 0  # pad what is narrow: input channels in, output channels out
-        xp = pad_dim(x, 1) if name == "input" else x
-        variants = {f"{name} {cin}->{cout}": (x, w),
-                    f"{name} {xp.shape[1]}->{max(cout, 8)} (zero-padded)": (xp, pad_dim(w, dim))}
-        for label, (xi, wi) in variants.items():
+    x = torch.randn(1, 3, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    w = torch.randn(64, 3, 3, 3, 3, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    out_conv = torch.nn.Conv3d(64, 1, 3, padding=1).to(device, dtype, memory_format=CL)
+    h = torch.randn(1, 64, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+    cases = {"input 3->64": functools.partial(F.conv3d, x, w, padding=1),
+             "input 8->64 (zero-padded input)": functools.partial(F.conv3d, pad_dim(x, 1), pad_dim(w, 1), padding=1),
+             "output 64->1": functools.partial(out_conv, h),
+             "output 64->1 via pad_conv_channels (8)": functools.partial(padded_conv_forward, h, out_conv, 8)}
+    with torch.no_grad():
+        for label, call in cases.items():
             row: dict[str, Any] = {"kind": "conv3d", "conv": label}
             try:
-                row.update(time_ms(functools.partial(F.conv3d, xi, wi, padding=1), device, iters))
+                row.update(time_ms(call, device, iters))
             except Exception as err:
                 row["error"] = repr(err)[:300]
             yield row

@@ -19,7 +19,9 @@ def test_run_writes_rows_for_every_form_and_conv(tmp_path) -> None:
     assert [r["channels"] for r in gn] == list(micro.CHANNELS)  # CPU, no compile: the eager composite only
     assert all("error" not in r and r["max_abs_err"] == 0.0 and r["ms_median"] > 0 for r in gn)
     convs = [r["conv"] for r in record["rows"] if r["kind"] == "conv3d"]
-    assert convs == ["input 3->64", "input 8->64 (zero-padded)", "output 64->1", "output 64->8 (zero-padded)"]
+    assert convs == ["input 3->64", "input 8->64 (zero-padded input)", "output 64->1",
+                     "output 64->1 via pad_conv_channels (8)"]
+    assert all("error" not in r and r["ms_median"] > 0 for r in record["rows"] if r["kind"] == "conv3d")
 
 
 def test_the_compiled_ndhwc_form_matches_groupnorm32() -> None:
