@@ -6,15 +6,14 @@ channel multiples of 8, so with one output channel it picks a slow kernel and co
 around it: in the H200 profile of the channels-last compiled forward, the output convolution
 launches a 0.25 ms ``nchwToNhwc`` conversion, and ``bench.micro`` times the convolution at
 1.15 ms as it is against 0.82 ms with its weight padded to 8 output channels (128³, bf16,
-bench/results/h200/tuning/). The padded training step's weight gradient of that convolution
-(1.75 ms in the NCDHW compiled train-step profile) is the other expected gain. Neither gain has
-been measured inside the network yet.
+bench/results/h200/tuning/). In training, that convolution's weight gradient (1.75 ms in the
+NCDHW compiled train-step profile) may gain too. Neither has been measured inside the network yet.
 
 The recipe replaces such a convolution's forward (the module, its Parameters and its state-dict
 keys are unchanged): weight and bias are zero-padded along the output-channel axis, the
-convolution runs, and the real channels are sliced out and made dense in the input's layout. The
-padded channels are exact zeros times the input and are thrown away, so each real channel is the
-same sum; only cuDNN's choice of algorithm (and so its summation order) can differ.
+convolution runs, and the real channels are sliced out and made dense in the convolution's output
+layout. The padded channels are exact zeros times the input and are thrown away, so each real
+channel is the same sum; only cuDNN's choice of algorithm (and so its summation order) can differ.
 
 Example:
     >>> pad_conv_out_channels(model)           # Med-DDPM: the output convolution
