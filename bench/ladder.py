@@ -146,6 +146,8 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     padded = _with(layout, "pad_conv_channels", after="sdpa_attention")  # the 64 -> 1 output conv, 8-aligned
     yield ["bench=denoise_step", _recipe(_swap(padded, "compile", "compile_cudagraphs"))]
     yield ["bench=train_step", _recipe(padded)]
+    for stack in (best, layout):  # the trilinear backward as a gather, not atomics (1.93 ms in round 5's profile)
+        yield ["bench=train_step", _recipe(_with(stack, "gather_upsample", after="sdpa_attention"))]
     # max-autotune (coordinate-descent tuning of inductor's GroupNorm kernels) with graphs: without
     # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels)
     yield ["bench=denoise_step", _recipe((*_swap(layout, "compile", "compile_max_autotune"), "cuda_graphs")),

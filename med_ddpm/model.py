@@ -152,18 +152,23 @@ class Upsample(nn.Module):
     """Trilinear ×2 (align_corners=False) then a 3×3×3 conv; guided-diffusion uses nearest.
 
     Checkpointed with ``checkpointing.level=all``: otherwise the conv keeps the interpolated
-    tensor (8× the input) for its backward.
+    tensor (8× the input) for its backward. ``interpolate`` is looked up on the instance, so the
+    ``gather_upsample`` recipe can give it an atomic-free backward without touching the forward.
     """
 
     checkpoint_group: ClassVar[str] = "upsample"
+    interpolation: ClassVar[str] = "trilinear_x2"  # the gather_upsample recipe swaps `interpolate`
 
     def __init__(self, channels: int):
         super().__init__()
         self.conv = nn.Conv3d(channels, channels, 3, padding=1)
 
+    @staticmethod
+    def interpolate(x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x, size=[2 * s for s in x.shape[2:]], mode="trilinear")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = [2 * s for s in x.shape[2:]]
-        return self.conv(F.interpolate(x, size=size, mode="trilinear"))
+        return self.conv(self.interpolate(x))
 
 
 class UNet3D(nn.Module):

@@ -19,12 +19,14 @@ from optim.pad_channels import PadConvChannels, pad_conv_out_channels
 from optim.sdpa_attention import SdpaAttention, SdpaAttentionCore, use_sdpa_attention
 from optim.stack import RecipeStack
 from optim.tf32 import Tf32, tf32_enabled
+from optim.upsample import GatherUpsample, use_gather_upsample
 
 __all__ = [
     "Amp", "AttentionCore", "ChannelsLast3d", "Checkpointing", "Compile", "CudaGraphs", "CudnnBenchmark",
-    "DeviceInfo", "FusedGroupNorm", "FusedGroupNormAct", "PadConvChannels", "Recipe", "RecipeConflictError", "RecipeStack",
-    "SdpaAttention", "SdpaAttentionCore", "Tf32", "UnsupportedRecipeError", "apply_checkpointing",
-    "autocast_for", "cudnn_benchmark_enabled", "compile_model", "effective_flags", "finite_or_skip",
-    "fuse_groupnorm", "graph_denoiser", "is_channels_last_3d", "pad_conv_out_channels", "tf32_enabled", "to_channels_last_3d",
-    "use_sdpa_attention",
+    "DeviceInfo", "FusedGroupNorm", "FusedGroupNormAct", "GatherUpsample", "PadConvChannels", "Recipe",
+    "RecipeConflictError", "RecipeStack", "SdpaAttention", "SdpaAttentionCore", "Tf32",
+    "UnsupportedRecipeError", "apply_checkpointing", "autocast_for", "compile_model",
+    "cudnn_benchmark_enabled", "effective_flags", "finite_or_skip", "fuse_groupnorm", "graph_denoiser",
+    "is_channels_last_3d", "pad_conv_out_channels", "tf32_enabled", "to_channels_last_3d",
+    "use_gather_upsample", "use_sdpa_attention",
 ]
