@@ -148,13 +148,14 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     yield ["bench=train_step", _recipe(padded)]
     for stack in (best, layout):  # the trilinear backward as a gather, not atomics (1.93 ms in round 5's profile)
         yield ["bench=train_step", _recipe(_with(stack, "gather_upsample", after="sdpa_attention"))]
-    # max-autotune (coordinate-descent tuning of inductor's GroupNorm kernels) with graphs: without
-    # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels)
-    yield ["bench=denoise_step", _recipe((*_swap(layout, "compile", "compile_max_autotune"), "cuda_graphs")),
-           "bench.timeout_s=420"]
+    yield ["bench=train_step", _recipe(_with(padded, "gather_upsample", after="sdpa_attention"))]
     for batch in BATCHES:  # where the fastest stacks saturate the GPU (batch 1 is above)
         yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(graphs)]
         yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(layout)]
+    # max-autotune (coordinate-descent tuning of inductor's GroupNorm kernels) with graphs: without
+    # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels). Minutes to compile: last.
+    yield ["bench=denoise_step", _recipe((*_swap(layout, "compile", "compile_max_autotune"), "cuda_graphs")),
+           "bench.timeout_s=420"]
 
 
 QUALITY_SAMPLERS = ("dpm_solver_pp", "ddim", "deis")
