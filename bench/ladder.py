@@ -182,6 +182,10 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
     for steps in (25, 10, 50, 100):  # the stochastic few-step samplers: SDE-DPM-Solver++, DDIM eta = 1
         yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", f"sampler.steps={steps}", "recipe=[]"]
         yield [*sampling, "sampler=ddim", "sampler.eta=1.0", f"sampler.steps={steps}", "recipe=[]"]
+    for spacing in ("linspace", "quadratic"):  # grids that end at t = 0 (trailing's last x̂₀ is from t = T/n − 1)
+        for steps in (25, 50):
+            yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", f"sampler.steps={steps}",
+                   f"sampler.spacing={spacing}", "recipe=[]"]
     for steps in QUALITY_STEPS:
         for sampler in QUALITY_SAMPLERS:
             yield [*sampling, f"sampler={sampler}", f"sampler.steps={steps}", "recipe=[]"]

@@ -117,11 +117,27 @@ class DDPMSampler(Sampler):
         return StepOutput(mean + std * noise, pred_x0)
 
 
-SPACINGS = ("linspace", "leading", "trailing")
+SPACINGS = ("linspace", "leading", "trailing", "quadratic")
+
+
+def strictly_descending(ts: np.ndarray, num_train_timesteps: int) -> np.ndarray:
+    """Rounded grid points made strictly descending within [0, T−1], each moved as little as needed.
+
+    Where points are denser than the training steps (``quadratic`` near t = 0), collisions are
+    pushed up one step at a time from the end, then capped from the top; with n ≤ T this always
+    gives n distinct steps, and n = T gives T−1, ..., 0.
+    """
+    ts = ts.astype(np.int64)
+    for k in range(len(ts) - 2, -1, -1):
+        ts[k] = max(ts[k], ts[k + 1] + 1)
+    ts[0] = min(ts[0], num_train_timesteps - 1)
+    for k in range(1, len(ts)):
+        ts[k] = min(ts[k], ts[k - 1] - 1)
+    return ts
 
 
 def make_timesteps(
-    num_train_timesteps: int, num_inference_steps: int, spacing: str = "trailing"
+    num_train_timesteps: int, num_inference_steps: int, spacing: str = "trailing",
 ) -> torch.Tensor:
     """``num_inference_steps`` descending int64 training timesteps for a few-step sampler.
 
@@ -134,8 +150,13 @@ def make_timesteps(
       is a posterior mean at t = T/n − 1 (t = 4 at 50 steps), a little smoother than a sample.
     - ``linspace``: round(linspace(T−1, 0, n)), the grid MONAI's DDIM ``set_timesteps`` builds.
     - ``leading``: (0, T//n, 2·T//n, ...) reversed, DDIM's original grid; never visits T−1.
+    - ``quadratic``: round(linspace(√(T−1), 0, n)²), made distinct (:func:`strictly_descending`):
+      DDIM's "quad" and DPM-Solver's "time_quadratic" grids. Starts at T−1 like ``trailing`` but
+      puts its steps at low noise and ends at t = 0, so the last x̂₀ is not a posterior mean at
+      t = T/n − 1. (Uniform-λ grids are no option for this cosine schedule: its clipped last
+      step has λ = −8.5 against −5.1 one step earlier, so they spend several steps at t ≥ 246.)
 
-    For n = T all three are T−1, ..., 0. For n dividing T, ``trailing`` and ``leading`` are
+    For n = T all four are T−1, ..., 0. For n dividing T, ``trailing`` and ``leading`` are
     evenly spaced by T//n, the step MONAI's DDIM ``step`` assumes.
     """
     T, n = num_train_timesteps, num_inference_steps
@@ -147,6 +168,8 @@ def make_timesteps(
         ts = (np.arange(n) * (T // n))[::-1]
     elif spacing == "trailing":
         ts = np.round(np.arange(n, 0, -1) * T / n) - 1
+    elif spacing == "quadratic":
+        ts = strictly_descending(np.round(np.linspace(math.sqrt(T - 1), 0.0, n) ** 2), T)
     else:
         raise ValueError(f"unknown timestep spacing {spacing!r}; known: {list(SPACINGS)}")
     return torch.from_numpy(ts.astype(np.int64).copy())

@@ -28,6 +28,7 @@ from med_ddpm.samplers import (
     lagrange_exp_weights,
     make_timesteps,
     sample,
+    strictly_descending,
 )
 
 CONFIGS = Path(__file__).parents[2] / "configs" / "sampler"
@@ -75,7 +76,7 @@ def ode_error(schedule, name: str, steps: int, x_T: torch.Tensor, toy: GaussianT
 # --- contract -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spacing", ["trailing", "linspace", "leading"])
+@pytest.mark.parametrize("spacing", ["trailing", "linspace", "leading", "quadratic"])
 @pytest.mark.parametrize("n", [1, 7, 10, 25, 249, 250])
 def test_timesteps_descending_unique_int64(spacing, n):
     ts = make_timesteps(T, n, spacing)
@@ -83,8 +84,19 @@ def test_timesteps_descending_unique_int64(spacing, n):
     assert bool((ts[:-1] > ts[1:]).all()) and 0 <= int(ts[-1]) and int(ts[0]) <= T - 1
     if spacing != "leading":
         assert int(ts[0]) == T - 1
+    if spacing in ("linspace", "quadratic") and n > 1:
+        assert int(ts[-1]) == 0  # the last x̂₀ comes from t = 0, not from a posterior mean at T/n − 1
     if n == T:
         assert ts.tolist() == list(range(T - 1, -1, -1))
+
+
+def test_quadratic_grid_is_ddim_quad_with_collisions_pushed_apart():
+    # 25 steps: √249·(1 − k/24) squared and rounded; the last two both round to 0, so the
+    # second to last is pushed up to 1 and the rest of the tail follows only where it collides
+    ts = make_timesteps(T, 25, "quadratic").tolist()
+    assert ts[:4] == [249, 229, 209, 191] and ts[-6:] == [11, 7, 4, 2, 1, 0]
+    assert strictly_descending(np.array([9, 5, 0, 0, 0]), 10).tolist() == [9, 5, 2, 1, 0]
+    assert strictly_descending(np.array([12, 9, 9]), 10).tolist() == [9, 8, 7]  # capped at T − 1 from the top
 
 
 def test_bad_arguments_raise_clear_errors(schedule):
