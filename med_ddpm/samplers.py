@@ -137,7 +137,7 @@ def strictly_descending(ts: np.ndarray, num_train_timesteps: int) -> np.ndarray:
 
 
 def make_timesteps(
-    num_train_timesteps: int, num_inference_steps: int, spacing: str = "trailing",
+    num_train_timesteps: int, num_inference_steps: int, spacing: str = "trailing"
 ) -> torch.Tensor:
     """``num_inference_steps`` descending int64 training timesteps for a few-step sampler.
 
@@ -152,7 +152,7 @@ def make_timesteps(
     - ``leading``: (0, T//n, 2·T//n, ...) reversed, DDIM's original grid; never visits T−1.
     - ``quadratic``: round(linspace(√(T−1), 0, n)²), made distinct (:func:`strictly_descending`):
       DDIM's "quad" and DPM-Solver's "time_quadratic" grids. Starts at T−1 like ``trailing`` but
-      puts its steps at low noise and ends at t = 0, so the last x̂₀ is not a posterior mean at
+      puts more of its steps at low noise and ends at t = 0, so the last x̂₀ is not a posterior mean at
       t = T/n − 1. (Uniform-λ grids are no option for this cosine schedule: its clipped last
       step has λ = −8.5 against −5.1 one step earlier, so they spend several steps at t ≥ 246.)
 
