@@ -58,9 +58,10 @@ MATH_CATEGORIES = ("convolution", "GEMM and attention")
 
 def categorise(name: str) -> str:
     """Category of one kernel (or CPU operator) name."""
-    if ATTENTION.search(name) and not INDUCTOR.search(name):
+    inductor = INDUCTOR.search(name)
+    if ATTENTION.search(name) and not inductor:
         return "GEMM and attention"
-    for category, rule in _INDUCTOR_RULES if INDUCTOR.search(name) else _RULES:
+    for category, rule in _INDUCTOR_RULES if inductor else _RULES:
         if rule.search(name):
             return category
     return OTHER

@@ -35,7 +35,12 @@ import torch.nn.functional as F
 
 from bench.timing import time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
-from optim.fused_groupnorm import forward_stats_triton, group_norm_act_channels_last, triton_available
+from optim.fused_groupnorm import (
+    forward_stats_triton,
+    group_norm_act_channels_last,
+    group_norm_act_torch,
+    triton_available,
+)
 from optim.pad_channels import pad_dim, padded_conv_forward
 
 GROUPS, EPS = 32, 1e-5
@@ -44,19 +49,14 @@ CL = torch.channels_last_3d
 Case = tuple[str, Callable[..., torch.Tensor], torch.Tensor]
 
 
-def group_norm_silu(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps: float,
-                    silu: bool = True) -> torch.Tensor:
-    """Med-DDPM's ``GroupNorm32`` (statistics in float32, cast back) + SiLU, as the model runs it."""
-    y = F.group_norm(x.float(), groups, w, b, eps).type(x.dtype)
-    return F.silu(y) if silu else y
+# Med-DDPM's GroupNorm32 (float32 statistics, cast back) + SiLU as the model runs it: on an NCDHW
+# input ``group_norm_act_torch`` is exactly silu(F.group_norm(x.float()).type(x.dtype)).
+group_norm_silu = functools.partial(group_norm_act_torch, silu=True)
+_ndhwc = functools.partial(group_norm_act_channels_last, silu=True)
 
 
 def _triton(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
     return forward_stats_triton(x, groups, w, b, eps, True)[0]
-
-
-def _ndhwc(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
-    return group_norm_act_channels_last(x, groups, w, b, eps, True)
 
 
 def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

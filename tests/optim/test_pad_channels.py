@@ -36,18 +36,9 @@ def test_zero_padding_is_the_same_convolution() -> None:
     torch.testing.assert_close(F.conv3d(x, pad_dim(w, 0), padding=1)[:, :1], F.conv3d(x, w, padding=1))
 
 
-def _randomised(seed: int = 0) -> torch.nn.Module:
-    model = tiny_unet()
-    with torch.no_grad():  # the output conv is zero-initialised: give every layer real weights
-        gen = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
-    return model
-
-
 @pytest.mark.parametrize("channels_last", [False, True], ids=["ncdhw", "ndhwc"])
 def test_padded_network_matches_forward_and_gradients(channels_last: bool) -> None:
-    ref, model = _randomised(), _randomised()
+    ref, model = tiny_unet(), tiny_unet()  # identical, every layer non-zero (randomize_zero_init)
     keys = list(model.state_dict())
     assert pad_conv_out_channels(model) == ["out.2"]  # tiny UNet3D: only the 1-channel output conv is narrow
     assert list(model.state_dict()) == keys and len(overrides(model.get_submodule("out.2"))) == 1

@@ -45,11 +45,7 @@ def test_forward_is_bit_identical_and_bf16_gradient_is_within_rounding() -> None
 
 
 def test_the_unet_upsamples_are_swapped_keys_kept_and_gradients_equal() -> None:
-    ref, model = tiny_unet(), tiny_unet()
-    with torch.no_grad():  # the output conv is zero-initialised: give every layer real weights
-        for a, b in zip(ref.parameters(), model.parameters(), strict=True):
-            a.normal_(0, 0.05)
-            b.copy_(a)
+    ref, model = tiny_unet(), tiny_unet()  # identical, every layer non-zero (randomize_zero_init)
     keys = list(model.state_dict())
     upsamples = [m for m in model.modules() if isinstance(m, Upsample)]
     assert use_gather_upsample(model) == len(upsamples) > 0 and list(model.state_dict()) == keys
@@ -74,9 +70,6 @@ def test_compiled_training_traces_the_gather_backward() -> None:
     from optim.compile import compile_model
 
     ref = tiny_unet()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.05)
     model = copy.deepcopy(ref)
     use_gather_upsample(model)
     compile_model(model)
