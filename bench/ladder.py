@@ -146,7 +146,7 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # 16.4 of 75.6 ms of kernels (profile_train_channels_last_4fe4200), in NCDHW 1.9 ms (round 5)
     for stack in (layout, best):
         yield ["bench=train_step", _recipe(_with(stack, "gather_upsample", after="sdpa_attention"))]
-    # few-step samplers that end at t = 0 (the quality ladder's linspace grids), timed at 128^3
+    # the 25-step samplers at 128^3: SDE on the linspace grid that ends at t = 0 (quality ladder), and ODE
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25",
            "sampler.spacing=linspace", _recipe(graphs)]
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=25", _recipe(graphs)]
