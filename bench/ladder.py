@@ -25,6 +25,7 @@ the ladder (and :class:`bench.sweep.EnsureBaseline` adds any that a cut run miss
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -144,22 +145,22 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     padded = _with(layout, "pad_conv_channels", after="sdpa_attention")  # the 64 -> 1 output conv, 8-aligned
     # the trilinear backward as a gather, not atomics: in the channels-last step the atomic scatter takes
     # 16.4 of 75.6 ms of kernels (profile_train_channels_last_4fe4200), in NCDHW 1.9 ms (round 5)
+    gathered = functools.partial(_with, name="gather_upsample", after="sdpa_attention")
     for stack in (layout, best):
-        yield ["bench=train_step", _recipe(_with(stack, "gather_upsample", after="sdpa_attention"))]
+        yield ["bench=train_step", _recipe(gathered(stack))]
     # the 25-step samplers at 128^3: SDE on the linspace grid that ends at t = 0 (quality ladder), and ODE
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25",
            "sampler.spacing=linspace", _recipe(graphs)]
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=25", _recipe(graphs)]
-    yield ["bench=train_step", _recipe(_with(padded, "gather_upsample", after="sdpa_attention"))]
+    yield ["bench=train_step", _recipe(gathered(padded))]
     yield ["bench=denoise_step", _recipe(_swap(padded, "compile", "compile_cudagraphs"))]
     yield ["bench=train_step", _recipe(padded)]
     # compiled + checkpointed: the cuDNN SDPA backend fails in inductor's recomputation (optim/CARDS.md)
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing")),
            "recipe.sdpa_attention.backends=[flash,efficient]"]
-    trainer = _with(layout, "gather_upsample", after="sdpa_attention")
     for batch in BATCHES:  # where the fastest stacks saturate the GPU (batch 1 is above)
         yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(graphs)]
-        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(trainer)]
+        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(gathered(layout))]
     # max-autotune (coordinate-descent tuning of inductor's GroupNorm kernels) with graphs: without
     # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels). Minutes to compile: last.
     yield ["bench=denoise_step", _recipe((*_swap(layout, "compile", "compile_max_autotune"), "cuda_graphs")),

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from bench.timing import time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
+from optim.cudnn_benchmark import cudnn_benchmark_enabled
 from optim.fused_groupnorm import (
     forward_stats_triton,
     group_norm_act_channels_last,
@@ -126,12 +127,8 @@ def conv_rows(size: int, dtype: torch.dtype, device: torch.device, iters: int) -
 def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30) -> Path:
     device = resolve_device("auto")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    previous = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True  # as the cudnn_benchmark recipe: the convs' best algorithm
-    try:
+    with cudnn_benchmark_enabled():  # as the cudnn_benchmark recipe: the convs' best algorithm
         rows = [*groupnorm_rows(size, dtype, device, compile, iters), *conv_rows(size, dtype, device, iters)]
-    finally:
-        torch.backends.cudnn.benchmark = previous
     for row in rows:
         print(json.dumps(row), flush=True)
     record = {"env": env_info(device), "size": size, "dtype": str(dtype), "groups": GROUPS, "rows": rows}

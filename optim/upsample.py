@@ -3,8 +3,10 @@
 The decoder's ``Upsample`` doubles every spatial size with trilinear interpolation
 (``align_corners=False``). Its gradient is a scatter: each output voxel adds into eight input
 voxels. PyTorch's CUDA kernel and inductor's compiled form (``_unsafe_index_put`` with
-``accumulate=True``) both do that with atomic adds; in the H200 profile of the compiled NCDHW
-training step that one kernel took 1.93 ms (bench/results/h200/tuning/profile_train_compiled_f2a54dc/).
+``accumulate=True``) both do that with atomic adds. In the H200 profile of the compiled NCDHW
+training step that kernel took 1.93 ms (bench/results/h200/tuning/profile_train_compiled_f2a54dc/);
+in the channels-last step, where neighbouring voxels' adds collide on C-strided addresses, 16.4 ms
+(.../profile_train_channels_last_4fe4200/).
 
 For an exact ×2 the scatter has a closed-form gather. The interpolation is separable, and along
 one axis of size n, output j reads the source coordinate j/2 - 1/4 (clamped at 0), so
@@ -25,7 +27,8 @@ voxel's gradient is one sum, with no atomics, so it is also deterministic. The f
 
 Modules opt in by declaring ``interpolation = "trilinear_x2"`` and upsampling through
 ``self.interpolate(x)`` (Med-DDPM's ``Upsample``); the recipe sets that attribute on the instance.
-**Not yet timed on a GPU.**
+Measured on the H200 (round 6): the channels-last compiled train step at 128³ takes 66.3 ms with it,
+79.4 ms without.
 
 Example:
     >>> use_gather_upsample(model)   # Med-DDPM whole-head: the 4 decoder Upsamples
