@@ -146,15 +146,20 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # the trilinear backward as a gather, not atomics: in the channels-last step the atomic scatter takes
     # 16.4 of 75.6 ms of kernels (profile_train_channels_last_4fe4200), in NCDHW 1.9 ms (round 5)
     gathered = functools.partial(_with, name="gather_upsample", after="sdpa_attention")
-    for stack in (layout, best):
-        yield ["bench=train_step", _recipe(gathered(stack))]
+    yield ["bench=train_step", _recipe(gathered(layout))]
+    # cuDNN times only its heuristics' top 10 engine configs: the 64 -> 64 convs at 128^3 run at about
+    # 520 TFLOP/s, the 128 -> 64 ones at 950 (profile_channels_last_compiled_895b99e). Time them all.
+    exhaustive = "recipe.cudnn_benchmark.limit=0"
+    yield ["bench=denoise_step", _recipe(graphs), exhaustive]
+    yield ["bench=train_step", _recipe(gathered(layout)), exhaustive]
+    yield ["bench=full_sample", "sampler=ddpm", _recipe(graphs), exhaustive, "bench.iters=3"]
+    yield ["bench=train_step", _recipe(gathered(padded))]
+    yield ["bench=denoise_step", _recipe(_swap(padded, "compile", "compile_cudagraphs"))]
+    yield ["bench=train_step", _recipe(gathered(best))]
     # the 25-step samplers at 128^3: SDE on the linspace grid that ends at t = 0 (quality ladder), and ODE
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25",
            "sampler.spacing=linspace", _recipe(graphs)]
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.steps=25", _recipe(graphs)]
-    yield ["bench=train_step", _recipe(gathered(padded))]
-    yield ["bench=denoise_step", _recipe(_swap(padded, "compile", "compile_cudagraphs"))]
-    yield ["bench=train_step", _recipe(padded)]
     # compiled + checkpointed: the cuDNN SDPA backend fails in inductor's recomputation (optim/CARDS.md)
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing")),
            "recipe.sdpa_attention.backends=[flash,efficient]"]

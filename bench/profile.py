@@ -38,6 +38,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from bench import kernels
+from bench.records import recipe_label
 from bench.scenarios import prepared_step
 from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
@@ -114,11 +115,15 @@ def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], 
     }
 
 
+def slug(record: dict) -> str:
+    """``<scenario>_<label>`` with every character a file name should not hold replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}")
+
+
 def write_outputs(out: Path, record: dict) -> Path:
     """Write ``<label>.json`` and rebuild profile.md + profile_breakdown.png from all JSONs in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}")
-    atomic_write_text(out / f"{slug}.json", json.dumps(record, indent=1))
+    atomic_write_text(out / f"{slug(record)}.json", json.dumps(record, indent=1))
     profiles = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     profiles = [p for p in profiles if "categories_ms" in p]
     kernels.stacked_bar_png(profiles, out / "profile_breakdown.png")
@@ -151,15 +156,15 @@ def run_ncu(cfg: dict[str, Any], record: dict, out: Path) -> list[dict[str, str]
     p = cfg["profile"]
     job = json.loads(json.dumps({"config": cfg, "model": record["label"], "recipes": []}))
     job["config"]["bench"].update(warmup=1, iters=1, quality=False)
-    job_path = out / f"ncu_job_{record['label']}.json"
+    job_path = out / f"ncu_job_{slug(record)}.json"
     atomic_write_text(job_path, json.dumps(job))
     cmd = [shutil.which("ncu") or NCU, "--clock-control", "none", "--target-processes", "all", "--csv",
            "--page", "raw", "--metrics", ",".join(p["ncu_metrics"]),
            "--kernel-name", f"regex:{ncu_kernel_regex(record['top'], int(p['ncu_kernels']))}",
            "--launch-count", str(int(p["ncu_launches"])),
-           sys.executable, "-m", "bench.worker", str(job_path), str(out / f"ncu_row_{record['label']}.json")]
+           sys.executable, "-m", "bench.worker", str(job_path), str(out / f"ncu_row_{slug(record)}.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=int(p["ncu_timeout_s"]))
-    (out / f"ncu_{record['label']}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"ncu_{slug(record)}.log").write_text(proc.stdout + proc.stderr)
     return parse_ncu_csv(proc.stdout)
 
 
@@ -183,7 +188,7 @@ def main(cfg: DictConfig) -> None:
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
     config = job["config"]
     device = resolve_device(config["device"])
-    label = "+".join(job["recipes"]) or "fp32"
+    label = recipe_label(job).replace("[] (fp32)", "fp32")
     out = Path(config["profile"]["out"] or sweep_dir_of(hc))
     events, launchers = profile_step(config, device)
     record = summarise(events, label, config, device, launchers)

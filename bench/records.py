@@ -57,8 +57,17 @@ def baseline_key(row: dict[str, Any]) -> str:
 
 
 def job_key(row: dict[str, Any]) -> str:
-    """Workload plus recipe stack: one job of a sweep (resumable runs skip known keys)."""
-    return json.dumps([baseline_key(row), list(row.get("recipes") or [])])
+    """Workload plus recipe stack and its non-default options: one job of a sweep (resumable runs
+    skip known keys). Rows without options keep the key they had before options were recorded."""
+    options = list(row.get("recipe_options") or [])
+    return json.dumps([baseline_key(row), list(row.get("recipes") or []), *([options] if options else [])])
+
+
+def recipe_label(row: dict[str, Any]) -> str:
+    """How tables name a row's stack: ``amp_bf16+compile``, options in brackets, ``[] (fp32)``."""
+    label = "+".join(row.get("recipes") or []) or "[] (fp32)"
+    options = row.get("recipe_options") or []
+    return f"{label} [{', '.join(options)}]" if options else label
 
 
 def is_baseline(row: dict[str, Any]) -> bool:

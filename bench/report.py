@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.records import baseline_key, is_baseline, read_rows
+from bench.records import baseline_key, is_baseline, read_rows, recipe_label
 from med_ddpm.utils import atomic_write_text
 
 COLUMNS = ("scenario", "model", "batch_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
@@ -54,7 +54,7 @@ def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> lis
         ok = row.get("status") == "ok"
         out.append({
             **{k: row.get(k) for k in COLUMNS},
-            "recipes": "+".join(row.get("recipes") or []) or "[] (fp32)",
+            "recipes": recipe_label(row),
             "speedup": _ratio(base["ms_median"], row.get("ms_median")) if base and ok else None,
             "mem_vs_baseline": _ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib")) if base and ok else None,
             "quality": (row.get("quality") or {}).get("verdict"),

@@ -22,6 +22,7 @@ returns ``(inf, inf)``.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import time
@@ -34,17 +35,34 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from bench.records import RESULTS_FILE, append_row, missing_baselines, read_rows
+from bench.records import RESULTS_FILE, append_row, missing_baselines, read_rows, recipe_label
 from bench.worker import run_job
 
 log = logging.getLogger(__name__)
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "configs" / "recipe"
+
+
+def recipe_options(recipes: dict[str, Any]) -> list[str]:
+    """The options a job sets away from each recipe's config-group default, as ``name.key=value``.
+
+    Two jobs with the same recipes and other options (``recipe.cudnn_benchmark.limit=0``) are
+    two jobs: the options enter the row's key and its label.
+    """
+    options = []
+    for name, node in recipes.items():
+        path = RECIPE_DIR / f"{name}.yaml"
+        defaults = OmegaConf.to_container(OmegaConf.load(path))[name] if path.exists() else {}
+        options += [f"{name}.{key}={json.dumps(value)}" for key, value in node.items()
+                    if key != "_target_" and value != defaults.get(key)]
+    return options
 
 
 def job_spec(cfg: DictConfig, model_name: str) -> dict[str, Any]:
     """The resolved, JSON-able job a worker runs (config + the names the row reports)."""
     config = OmegaConf.to_container(cfg, resolve=True)
-    recipes = list((config.get("recipe") or {}).keys())
-    return {"config": config, "model": model_name, "recipes": recipes}
+    recipes = config.get("recipe") or {}
+    return {"config": config, "model": model_name, "recipes": list(recipes),
+            "recipe_options": recipe_options(recipes)}
 
 
 def baseline_job(row: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +70,7 @@ def baseline_job(row: dict[str, Any]) -> dict[str, Any]:
     config = copy.deepcopy(row["config"])
     config["recipe"] = {}
     config["bench"]["inject"] = None
-    return {"config": config, "model": row["model"], "recipes": []}
+    return {"config": config, "model": row["model"], "recipes": [], "recipe_options": []}
 
 
 def quality_objective(row: dict[str, Any], metric: str) -> float:
@@ -64,7 +82,7 @@ def quality_objective(row: dict[str, Any], metric: str) -> float:
 
 def log_row(row: dict[str, Any]) -> None:
     ms = row.get("ms_median")
-    log.info("%s %s batch=%s -> %s %s", row["scenario"], row["recipes"] or "[] (fp32 baseline)",
+    log.info("%s %s batch=%s -> %s %s", row["scenario"], recipe_label(row),
              row["batch_size"], row["status"], f"{ms:.3f} ms" if ms else row["message"].splitlines()[0])
 
 

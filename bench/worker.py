@@ -105,6 +105,7 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
         "sampler": sampler_label(cfg["sampler"]) if sampling else None,
         "steps": (cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"]) if sampling else None,
         "recipes": list(job["recipes"]),
+        "recipe_options": list(job.get("recipe_options") or []),
         **dict.fromkeys(MEASURED_FIELDS),
         "status": "error",
         "message": PLACEHOLDER,

@@ -39,6 +39,7 @@ FLAGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "cuda.matmul.fp32_precision": _precision("cuda", "matmul"),
     "cudnn.conv.fp32_precision": _precision("cuda", "conv"),
     "cudnn.benchmark": _attr(torch.backends.cudnn, "benchmark"),
+    "cudnn.benchmark_limit": _attr(torch.backends.cudnn, "benchmark_limit"),
     "cudnn.deterministic": _attr(torch.backends.cudnn, "deterministic"),
 }
 
@@ -82,6 +83,7 @@ def effective_flags() -> dict[str, Any]:
         "cuda.matmul.fp32_precision": effective_precision("cuda", "matmul"),
         "cudnn.conv.fp32_precision": effective_precision("cuda", "conv"),
         "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn.benchmark_limit": torch.backends.cudnn.benchmark_limit,
         "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
     }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.ladder import DEFAULT_BEST, PRESETS, compose_job, missing_recipes, parse_args, quality_ladder
-from bench.records import job_key
+from bench.records import job_key, recipe_label
 from bench.worker import base_row
 
 
@@ -74,3 +74,14 @@ def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monke
     row = {**base_row(compose_job(first, tmp_path / "x")), "status": "ok", "message": "", "env": {"git_sha": "new"}}
     append_row(tmp_path / RESULTS_FILE, row)
     assert len(todo("batch_size=2")) == len(named) - 1
+
+
+def test_recipe_options_are_part_of_the_job_and_its_label(tmp_path):
+    stack = "recipe=[amp_bf16,cudnn_benchmark]"
+    plain, exhaustive = (base_row(compose_job(["bench=denoise_step", stack, *extra], tmp_path / str(n)))
+                         for n, extra in enumerate(([], ["recipe.cudnn_benchmark.limit=0"])))
+    assert plain["recipe_options"] == [] and exhaustive["recipe_options"] == ["cudnn_benchmark.limit=0"]
+    assert job_key(plain) != job_key(exhaustive)
+    assert recipe_label(exhaustive) == "amp_bf16+cudnn_benchmark [cudnn_benchmark.limit=0]"
+    legacy = {k: v for k, v in plain.items() if k != "recipe_options"}  # rows written before options were
+    assert job_key(legacy) == job_key(plain) and recipe_label(legacy) == "amp_bf16+cudnn_benchmark"

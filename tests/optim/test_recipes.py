@@ -12,6 +12,7 @@ from conftest import tiny_batch, tiny_unet
 from optim import (
     AttentionCore,
     ChannelsLast3d,
+    CudnnBenchmark,
     FusedGroupNormAct,
     SdpaAttentionCore,
     apply_checkpointing,
@@ -166,3 +167,13 @@ def test_compile_keeps_channels_last_3d_strides_by_switching_inductor_layout_opt
     assert recipe.describe()["inductor_layout_optimization"] is False
     with pytest.raises(ValueError, match="layout_optimization"):
         Compile(layout_optimization="sometimes")
+
+
+def test_cudnn_benchmark_limit_times_every_engine_and_restores() -> None:
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit)
+    with CudnnBenchmark(limit=0).session():
+        assert torch.backends.cudnn.benchmark and torch.backends.cudnn.benchmark_limit == 0
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit) == before
+    assert "cudnn.benchmark_limit" not in CudnnBenchmark().flags()  # null keeps torch's default
+    with pytest.raises(ValueError, match="limit must be a non-negative int"):
+        CudnnBenchmark(limit=-1)
