@@ -7,6 +7,7 @@ Example:
     python -m bench.ladder out=results/smoke preset=smoke         # tiny CPU ladder
     python -m bench.ladder out=results/h200 dry_run=true          # list the jobs and their status
     python -m bench.ladder out=results/h200 refresh='channels_last_3d.*compile'  # re-measure after a code change
+    python -m bench.ladder out=results/h200 preset=tuning only='max_autotune'   # just the jobs a regex names
     python -m bench.ladder out=results/h200 preset=core           # the short issue-8 ladder (one device session)
     python -m bench.ladder out=results/h200 preset=tuning         # issue 8, round 2: layout, graphs, batch, BraTS
     python -m bench.ladder out=results/h200/quality preset=quality checkpoint=runs/quality_model/checkpoints/last.pt
@@ -292,9 +293,10 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     args = {}
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run", "checkpoint", "refresh"):
+        if not sep or key not in ("out", "preset", "budget_s", "best", "dry_run", "checkpoint", "refresh", "only"):
             raise SystemExit(f"bench.ladder: bad argument {arg!r}; expected out=DIR [preset={'|'.join(PRESETS)}] "
-                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true] [checkpoint=PATH] [refresh=REGEX]")
+                             "[budget_s=SECONDS] [best=r1,r2,...] [dry_run=true] [checkpoint=PATH] [refresh=REGEX] "
+                             "[only=REGEX]")
         args[key] = value
     if "out" not in args:
         raise SystemExit("bench.ladder: out=DIR is required")
@@ -309,6 +311,8 @@ def main(argv: list[str]) -> int:
     best = tuple(n for n in args.get("best", ",".join(DEFAULT_BEST)).split(",") if n)
     ladder = PRESETS[preset]
     jobs = list(ladder(best, args.get("checkpoint")) if ladder is quality_ladder else ladder(best))
+    if "only" in args:  # a regex over each job's overrides, as refresh
+        jobs = [job for job in jobs if re.search(args["only"], " ".join(job))]
     run_ladder(Path(args["out"]), jobs, float(args.get("budget_s", "inf")), args.get("dry_run") == "true",
                args.get("refresh"))
     return 0

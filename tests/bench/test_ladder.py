@@ -85,3 +85,12 @@ def test_recipe_options_are_part_of_the_job_and_its_label(tmp_path):
     assert recipe_label(exhaustive) == "amp_bf16+cudnn_benchmark [cudnn_benchmark.limit=0]"
     legacy = {k: v for k, v in plain.items() if k != "recipe_options"}  # rows written before options were
     assert job_key(legacy) == job_key(plain) and recipe_label(legacy) == "amp_bf16+cudnn_benchmark"
+
+
+def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):
+    from bench.ladder import main
+
+    main([f"out={tmp_path}", "preset=smoke", "dry_run=true", "only=batch_size=2"])
+    todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
+    expected = [job for job in jobs_of("smoke", tmp_path) if "batch_size=2" in " ".join(job)]
+    assert todo and len(todo) == len(expected) and all("batch_size=2" in line for line in todo)
