@@ -148,6 +148,8 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # 16.4 of 75.6 ms of kernels (profile_train_channels_last_4fe4200), in NCDHW 1.9 ms (round 5)
     gathered = functools.partial(_with, name="gather_upsample", after="sdpa_attention")
     yield ["bench=train_step", _recipe(gathered(layout))]
+    # that step's kernels take 58.9 ms of its 66.3 (profile_train_gather_0effe44): graph fwd + bwd as well
+    yield ["bench=train_step", _recipe(_swap(gathered(layout), "compile", "compile_cudagraphs"))]
     # cuDNN times only its heuristics' top 10 engine configs: the 64 -> 64 convs at 128^3 run at about
     # 520 TFLOP/s, the 128 -> 64 ones at 950 (profile_channels_last_compiled_895b99e). Time them all.
     exhaustive = "recipe.cudnn_benchmark.limit=0"
