@@ -115,9 +115,17 @@ def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], 
     }
 
 
+def profile_label(job: dict[str, Any]) -> str:
+    """The stack's label (``fp32`` for none), with the batch size when it is not 1: profiles of one
+    stack at two batch sizes are two columns of profile.md and two JSON files."""
+    label = recipe_label(job).replace("[] (fp32)", "fp32")
+    batch = int(job["config"]["bench"]["batch_size"])
+    return label if batch == 1 else f"{label} (batch {batch})"
+
+
 def slug(record: dict) -> str:
     """``<scenario>_<label>`` with every character a file name should not hold replaced by ``_``."""
-    return re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}")
+    return re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}").strip("_")
 
 
 def write_outputs(out: Path, record: dict) -> Path:
@@ -188,7 +196,7 @@ def main(cfg: DictConfig) -> None:
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
     config = job["config"]
     device = resolve_device(config["device"])
-    label = recipe_label(job).replace("[] (fp32)", "fp32")
+    label = profile_label(job)
     out = Path(config["profile"]["out"] or sweep_dir_of(hc))
     events, launchers = profile_step(config, device)
     record = summarise(events, label, config, device, launchers)

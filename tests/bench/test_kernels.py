@@ -102,3 +102,15 @@ def test_top_kernels_name_the_operator_that_launched_them():
               "categories_ms": kernels.breakdown(times), "total_ms": 0.06, "tensor_core_share": 0.0, "top": top}
     text = kernels.markdown([record])
     assert "launched by |" in text and "aten::mm [[1, 256], [256, 768]] |" in text
+
+
+def test_profiles_of_one_stack_at_two_batch_sizes_get_two_labels_and_files():
+    from bench.profile import profile_label, slug
+
+    def job(batch: int, recipes: list[str]) -> dict:
+        return {"recipes": recipes, "recipe_options": [], "config": {"bench": {"batch_size": batch}}}
+
+    assert profile_label(job(1, [])) == "fp32"
+    one, four = profile_label(job(1, ["amp_bf16"])), profile_label(job(4, ["amp_bf16"]))
+    assert (one, four) == ("amp_bf16", "amp_bf16 (batch 4)")
+    assert slug({"scenario": "denoise_step", "label": four}) == "denoise_step_amp_bf16_batch_4"
