@@ -15,7 +15,6 @@ Writes ``OUT/profile_compare.md`` and ``OUT/profile_compare.png`` atomically.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -28,12 +27,7 @@ def load(named: list[tuple[str, Path]]) -> list[dict]:
     profile is an error naming it."""
     profiles = []
     for name, path in named:
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise SystemExit(f"bench.compare_profiles: cannot read {path}: {err}") from err
-        if "categories_ms" not in record:
-            raise SystemExit(f"bench.compare_profiles: {path} is not a bench.profile record (no categories_ms)")
+        record = kernels.load_profile(path, "bench.compare_profiles")
         profiles.append({**record, "label": name, "stack": record["label"], "file": str(path)})
     return profiles
 

@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from bench import kernels
+from bench.sweep import CONFIG_DIR
 from bench.timing import time_fn
 from med_ddpm.model import build_model
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 BF16_BYTES = 2
 GN_PASSES = {"denoise_step": 3, "train_step": 3 + 5}
 CONVS = (torch.nn.Conv1d, torch.nn.Conv3d)  # the attention's qkv/proj are 1-D convs
@@ -106,23 +107,14 @@ def table(profile: Mapping[str, Any], floors: Mapping[str, float], peaks: Mappin
     return "\n".join(lines) + "\n"
 
 
-def _profile(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise SystemExit(f"bench.floor: {path}: no such profile JSON (bench.profile writes <scenario>_<label>.json)")
-    record = json.loads(path.read_text())
-    if "categories_ms" not in record:
-        raise SystemExit(f"bench.floor: {path}: not a bench.profile record (no categories_ms)")
-    return record
-
-
 def main(argv: list[str]) -> int:
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
-    if len(args) != len(argv) or not ({"measure", "profile"} & set(args)):
+    if len(args) != len(argv) or not (args.get("measure") == "true" or {"profile", "peaks"} <= set(args)):
         raise SystemExit(__doc__.split("Usage:")[1])
     if args.get("measure") == "true":
         text = json.dumps(measure_peaks(resolve_device("auto")), indent=1)
     else:
-        profile = _profile(Path(args["profile"]))
+        profile = kernels.load_profile(Path(args["profile"]), "bench.floor")
         peaks = json.loads(Path(args["peaks"]).read_text())
         model_cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / f"{args.get('model', 'medddpm_whole_head')}.yaml"))
         counts = workload(model_cfg, int(profile["batch_size"]))

@@ -18,9 +18,11 @@ carry no type in their names and are not counted.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from collections.abc import Mapping
+from pathlib import Path
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("layout conversion", r"nchwToNhwc|nhwcToNchw|ncdhw|ndhwc|transpose|permute|convert_?layout|channels_?last"),
@@ -98,6 +100,18 @@ def short_name(name: str, width: int = 90) -> str:
     """Kernel names are C++ templates hundreds of characters long: keep the head."""
     name = re.sub(r"\s+", " ", name)
     return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def load_profile(path: Path, tool: str) -> dict:
+    """One ``bench.profile`` JSON record; a file that cannot be read or is not a profile is an error
+    (``SystemExit``) that names ``tool`` and the file."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"{tool}: cannot read {path}: {err}") from err
+    if not isinstance(record, dict) or "categories_ms" not in record:
+        raise SystemExit(f"{tool}: {path} is not a bench.profile record (no categories_ms)")
+    return record
 
 
 def markdown(profiles: list[dict]) -> str:

@@ -37,11 +37,10 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 
 from bench.records import RESULTS_FILE, append_row, job_key, read_rows
-from bench.sweep import EnsureBaseline, job_spec, log_row
+from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import TIMEOUT_PREFIX, base_row, run_job
 from med_ddpm.utils import git_sha
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_MODEL = "medddpm_whole_head"
 DEFAULT_BEST = ("amp_bf16", "fused_groupnorm", "sdpa_attention", "cudnn_benchmark", "compile")
 # Each single recipe, then the combinations the seed study and issue 8 ask about.

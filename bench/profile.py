@@ -118,7 +118,7 @@ def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], 
 def profile_label(job: dict[str, Any]) -> str:
     """The stack's label (``fp32`` for none), with the batch size when it is not 1: profiles of one
     stack at two batch sizes are two columns of profile.md and two JSON files."""
-    label = recipe_label(job).replace("[] (fp32)", "fp32")
+    label = recipe_label(job, baseline="fp32")
     batch = int(job["config"]["bench"]["batch_size"])
     return label if batch == 1 else f"{label} (batch {batch})"
 

@@ -63,9 +63,9 @@ def job_key(row: dict[str, Any]) -> str:
     return json.dumps([baseline_key(row), list(row.get("recipes") or []), *([options] if options else [])])
 
 
-def recipe_label(row: dict[str, Any]) -> str:
-    """How tables name a row's stack: ``amp_bf16+compile``, options in brackets, ``[] (fp32)``."""
-    label = "+".join(row.get("recipes") or []) or "[] (fp32)"
+def recipe_label(row: dict[str, Any], baseline: str = "[] (fp32)") -> str:
+    """How tables name a row's stack: ``amp_bf16+compile``, options in brackets, ``baseline`` for none."""
+    label = "+".join(row.get("recipes") or []) or baseline
     options = row.get("recipe_options") or []
     return f"{label} [{', '.join(options)}]" if options else label
 

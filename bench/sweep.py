@@ -39,7 +39,8 @@ from bench.records import RESULTS_FILE, append_row, missing_baselines, read_rows
 from bench.worker import run_job
 
 log = logging.getLogger(__name__)
-RECIPE_DIR = Path(__file__).resolve().parents[1] / "configs" / "recipe"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+RECIPE_DIR = CONFIG_DIR / "recipe"
 
 
 def recipe_options(recipes: dict[str, Any]) -> list[str]:
