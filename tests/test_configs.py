@@ -111,7 +111,7 @@ def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
     assert compose_cfg("sample", ["checkpoint=x.pt"]).sampler.name == "ddpm"
 
 
-def test_fast_train_is_the_fastest_measured_training_stack():
+def test_fast_train_is_the_gather_channels_last_compiled_stack():
     """``experiment=fast_train`` is round 6's fastest train step: channels-last needs ``gather_upsample`` (its
     atomic trilinear backward costs 16.4 ms otherwise); the default stays the exact FP32 path."""
     cfg = compose_cfg("train", ["experiment=fast_train", "output_dir=/tmp/x"])
