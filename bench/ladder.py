@@ -165,9 +165,14 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # compiled + checkpointed: the cuDNN SDPA backend fails in inductor's recomputation (optim/CARDS.md)
     yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing")),
            "recipe.sdpa_attention.backends=[flash,efficient]"]
-    for batch in BATCHES:  # where the fastest stacks saturate the GPU (batch 1 is above)
-        yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(graphs)]
-        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(gathered(layout))]
+    # where the fastest stacks saturate the GPU. Inductor's compiled F.interpolate in channels-last takes 10.5 ms
+    # a call at batch 4 against 0.16 at batch 1 (round 8 profiles): the upsampling forward as a gather too
+    both = "recipe.gather_upsample.forward=gather"
+    for batch in (1, *BATCHES):
+        yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(gathered(graphs)), both]
+    for batch in (1, *BATCHES):
+        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(_swap(gathered(layout), "compile",
+                                                                                 "compile_cudagraphs")), both]
     # max-autotune (coordinate-descent tuning of inductor's GroupNorm kernels) with graphs: without
     # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels). Minutes to compile: last.
     yield ["bench=denoise_step", _recipe((*_swap(layout, "compile", "compile_max_autotune"), "cuda_graphs")),

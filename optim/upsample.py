@@ -25,6 +25,13 @@ for a ×2 size. It is computed in float32 (float64 stays float64) and cast to x'
 voxel's gradient is one sum, with no atomics, so it is also deterministic. The forward is
 ``F.interpolate`` itself, so outputs are bit-identical.
 
+Option ``forward="gather"`` also writes the forward as the separable formula above (one axis after
+another, float32, cast at the end) instead of ``F.interpolate``. Why: inductor's compiled
+``F.interpolate`` (``_unsafe_index`` loads) in the channels-last forward took 0.16 ms a call at
+128³ batch 1 but 10.5 ms at batch 4 on the H200 (round 8 profile,
+bench/results/h200/tuning/profile_channels_last_batch4_ac80870/): the batch > 1 regression.
+Not bit-identical to ``F.interpolate`` (another summation order; float32 rounding).
+
 Modules opt in by declaring ``interpolation = "trilinear_x2"`` and upsampling through
 ``self.interpolate(x)`` (Med-DDPM's ``Upsample``); the recipe sets that attribute on the instance.
 Measured on the H200 (round 6): the channels-last compiled train step at 128³ takes 66.3 ms with it,
@@ -48,9 +55,32 @@ from optim.base import Recipe
 MODE = "trilinear_x2"
 
 
+FORWARDS = ("interpolate", "gather")
+
+
 def trilinear_x2_reference(x: torch.Tensor) -> torch.Tensor:
     """``F.interpolate`` to twice every spatial size, trilinear, ``align_corners=False``."""
     return F.interpolate(x, size=[2 * s for s in x.shape[2:]], mode="trilinear")
+
+
+def interpolate_x2(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Linear ×2 interpolation along ``dim`` (module docstring): out[2i] = 3/4 x[i] + 1/4 x[max(i-1, 0)],
+    out[2i+1] = 3/4 x[i] + 1/4 x[min(i+1, n-1)]; size n -> 2n."""
+    n = x.shape[dim]
+    left = torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 0, n - 1)], dim)
+    right = torch.cat([x.narrow(dim, 1, n - 1), x.narrow(dim, n - 1, 1)], dim)
+    even, odd = 0.75 * x + 0.25 * left, 0.75 * x + 0.25 * right
+    return torch.stack([even, odd], dim + 1).flatten(dim, dim + 1)
+
+
+def trilinear_x2_forward(x: torch.Tensor) -> torch.Tensor:
+    """:func:`trilinear_x2_reference` as three separable gathers in float32, cast back to ``x``'s dtype
+    and memory format (channels-last 3-D in, channels-last 3-D out, as ``F.interpolate`` does)."""
+    y = x.to(torch.promote_types(x.dtype, torch.float32))
+    for dim in (4, 3, 2):
+        y = interpolate_x2(y, dim)
+    channels_last = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    return y.to(x.dtype, memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format)
 
 
 def adjoint_x2(g: torch.Tensor, dim: int) -> torch.Tensor:
@@ -76,29 +106,43 @@ def trilinear_x2_backward(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 class _TrilinearX2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, gather_forward: bool) -> torch.Tensor:
         ctx.dtype = x.dtype
-        return trilinear_x2_reference(x)
+        return trilinear_x2_forward(x) if gather_forward else trilinear_x2_reference(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return trilinear_x2_backward(grad, ctx.dtype)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return trilinear_x2_backward(grad, ctx.dtype), None
+
+
+def _check_5d(x: torch.Tensor) -> None:
+    if x.dim() != 5:
+        raise ValueError(f"trilinear x2 upsampling needs an (N, C, D, H, W) tensor, got shape {tuple(x.shape)}")
 
 
 def trilinear_x2_gather(x: torch.Tensor) -> torch.Tensor:
     """:func:`trilinear_x2_reference` with the gather backward (5-D input)."""
-    if x.dim() != 5:
-        raise ValueError(f"trilinear_x2_gather needs an (N, C, D, H, W) tensor, got shape {tuple(x.shape)}")
-    return _TrilinearX2.apply(x)
+    _check_5d(x)
+    return _TrilinearX2.apply(x, False)
 
 
-def use_gather_upsample(model: nn.Module) -> int:
+def trilinear_x2_gather_both(x: torch.Tensor) -> torch.Tensor:
+    """Trilinear ×2 with a gather forward (:func:`trilinear_x2_forward`) and the gather backward."""
+    _check_5d(x)
+    return _TrilinearX2.apply(x, True)
+
+
+def use_gather_upsample(model: nn.Module, forward: str = "interpolate") -> int:
     """Functional twin: every module declaring ``interpolation = "trilinear_x2"`` upsamples through
-    :func:`trilinear_x2_gather`; returns how many (parameter-free: state-dict keys unchanged)."""
+    :func:`trilinear_x2_gather` (``forward="gather"``: :func:`trilinear_x2_gather_both`); returns how
+    many (parameter-free: state-dict keys unchanged)."""
+    if forward not in FORWARDS:
+        raise ValueError(f"gather_upsample: forward must be one of {FORWARDS}, got {forward!r}")
+    upsample = trilinear_x2_gather_both if forward == "gather" else trilinear_x2_gather
     swapped = 0
     for module in model.modules():
         if getattr(type(module), "interpolation", None) == MODE:
-            module.interpolate = trilinear_x2_gather
+            module.interpolate = upsample
             swapped += 1
     return swapped
 
@@ -111,12 +155,15 @@ class GatherUpsample(Recipe):
     tolerance = {"rtol": 1e-5, "atol": 1e-6}
     stage = 10
 
-    def __init__(self) -> None:
+    def __init__(self, forward: str = "interpolate") -> None:
+        if forward not in FORWARDS:
+            raise ValueError(f"gather_upsample: forward must be one of {FORWARDS}, got {forward!r}")
+        self.forward = forward
         self.swapped = 0
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        self.swapped = use_gather_upsample(model)
+        self.swapped = use_gather_upsample(model, self.forward)
         return model
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "swapped_modules": self.swapped}
+        return {**super().describe(), "forward": self.forward, "swapped_modules": self.swapped}

@@ -10,7 +10,16 @@ from conftest import tiny_batch, tiny_unet
 
 from med_ddpm.model import Upsample
 from optim import use_gather_upsample
-from optim.upsample import adjoint_x2, trilinear_x2_backward, trilinear_x2_gather, trilinear_x2_reference
+from optim.upsample import (
+    GatherUpsample,
+    adjoint_x2,
+    interpolate_x2,
+    trilinear_x2_backward,
+    trilinear_x2_forward,
+    trilinear_x2_gather,
+    trilinear_x2_gather_both,
+    trilinear_x2_reference,
+)
 
 SHAPES = [(1, 1, 1, 1, 1), (2, 3, 1, 2, 3), (1, 2, 4, 5, 6), (2, 1, 3, 3, 2)]
 
@@ -42,6 +51,37 @@ def test_forward_is_bit_identical_and_bf16_gradient_is_within_rounding() -> None
     torch.testing.assert_close(ours.float(), ref, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the float32 sum
     with pytest.raises(ValueError, match="N, C, D, H, W"):
         trilinear_x2_gather(torch.randn(1, 2, 3, 4))
+
+
+def test_one_axis_interpolation_by_hand() -> None:
+    """n = 3: out = [x0, .75x0 + .25x1, .25x0 + .75x1, .75x1 + .25x2, .25x1 + .75x2, x2] (clamped edges)."""
+    x = torch.tensor([[4.0, 8.0, 16.0]], dtype=torch.float64)
+    assert interpolate_x2(x, 1).tolist() == [[4.0, 5.0, 7.0, 10.0, 14.0, 16.0]]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gather_forward_matches_f_interpolate_and_keeps_the_layout(shape) -> None:
+    x = torch.randn(shape, dtype=torch.float64)
+    torch.testing.assert_close(trilinear_x2_forward(x), trilinear_x2_reference(x), rtol=1e-12, atol=1e-12)
+    xc = torch.randn(2, 8, 3, 4, 5).contiguous(memory_format=torch.channels_last_3d)
+    assert trilinear_x2_forward(xc).stride() == trilinear_x2_reference(xc).stride()
+    assert trilinear_x2_forward(xc.contiguous()).is_contiguous()
+    xb = xc.bfloat16()  # float32 inside, one rounding to bf16: within one bf16 ulp of F.interpolate
+    torch.testing.assert_close(trilinear_x2_forward(xb), trilinear_x2_reference(xb), rtol=8e-3, atol=1e-6)
+    xr = x[:, :, :3, :3, :3].detach().requires_grad_()
+    assert torch.autograd.gradcheck(trilinear_x2_gather_both, (xr,))
+
+
+def test_recipe_option_picks_the_forward_and_rejects_unknown_ones() -> None:
+    model = tiny_unet()
+    recipe = GatherUpsample(forward="gather")
+    recipe.prepare_model(model)
+    assert recipe.describe()["forward"] == "gather" and recipe.swapped > 0
+    assert all(m.interpolate is trilinear_x2_gather_both for m in model.modules() if isinstance(m, Upsample))
+    with pytest.raises(ValueError, match="forward must be one of"):
+        GatherUpsample(forward="nearest")
+    with pytest.raises(ValueError, match="forward must be one of"):
+        use_gather_upsample(model, forward="scatter")
 
 
 def test_the_unet_upsamples_are_swapped_keys_kept_and_gradients_equal() -> None:
