@@ -38,7 +38,7 @@ from hydra import compose, initialize_config_dir
 
 from bench.records import RESULTS_FILE, append_row, job_key, read_rows
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
-from bench.worker import TIMEOUT_PREFIX, base_row, run_job
+from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm.utils import git_sha
 
 DEFAULT_MODEL = "medddpm_whole_head"
@@ -198,6 +198,10 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
               ("amp_bf16", "fused_groupnorm", "sdpa_attention"), best, layout]
     for stack in _unique(stacks):
         yield [*common, "bench=denoise_step", _recipe(stack)]
+    # experiment=fast_sample's stack (round 8): the upsampling forward as a gather, for batch > 1
+    fast = [_recipe(_with(_swap(layout, "compile", "compile_cudagraphs"), "gather_upsample", after="sdpa_attention")),
+            "recipe.gather_upsample.forward=gather"]
+    yield [*common, "bench=denoise_step", *fast]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
     for steps in (25, 10, 50, 100):  # the stochastic few-step samplers: SDE-DPM-Solver++, DDIM eta = 1
@@ -213,6 +217,7 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
     yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25", _recipe(best)]
     for steps in (10, 25):
         yield [*sampling, "sampler=dpm_solver_pp", f"sampler.steps={steps}", _recipe(best)]
+    yield [*sampling, "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=100", *fast]  # = fast_sample
 
 
 def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
@@ -282,8 +287,8 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
         full = float(job["config"]["bench"]["timeout_s"])
         timeout = min(full, remaining)
         row = run_job(job, job_dir, timeout)
-        if row["message"].startswith(TIMEOUT_PREFIX) and timeout < min(full, 0.9 * budget_s):
-            left += 1  # cut by this run's budget, not by its own limit: no row, rerun measures it
+        if cut_by_budget(row, timeout, full, budget_s):
+            left += 1  # no row: a rerun measures it
             print(f"[cut] {' '.join(overrides)}: the time budget ran out; rerun to measure it")
             continue
         append_row(out / RESULTS_FILE, row)

@@ -1,4 +1,4 @@
-"""Kernel microbenchmarks behind two layout choices: GroupNorm32 + SiLU forms, and the end convolutions.
+"""Kernel microbenchmarks behind three layout choices: GroupNorm32 + SiLU forms, the end convolutions, upsampling.
 
 The whole-step profiles (``bench.profile``) say *which* kernels cost; this times the candidates
 for one of them in isolation, at the whole-head network's full-resolution shapes (batch 1, one
@@ -13,6 +13,10 @@ activation of C channels at size³), so a form can be chosen before a ladder run
 * **The network's end convolutions** in NDHWC: 3 -> 64 (input) as it is and with its input
   channels zero-padded to 8, and 64 -> 1 (output) as it is and as ``pad_conv_channels`` computes it
   (cuDNN's NDHWC kernels work in channel multiples of 8).
+* **Trilinear ×2 upsampling against batch size** (64 channels, size/2 -> size, NDHWC, batch 1/2/4,
+  after a residual add as in the decoder): ``F.interpolate`` and ``gather_upsample``'s separable
+  gather forward (:func:`optim.upsample.trilinear_x2_forward`), compiled. Inductor's compiled
+  ``F.interpolate`` is coalesced at batch 1 only (round 8 of bench/results/h200/tuning/README.md).
 
 Usage:
     python -m bench.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
@@ -43,9 +47,11 @@ from optim.fused_groupnorm import (
     triton_available,
 )
 from optim.pad_channels import pad_dim, padded_conv_forward
+from optim.upsample import trilinear_x2_forward, trilinear_x2_reference
 
 GROUPS, EPS = 32, 1e-5
 CHANNELS = (64, 128)
+UPSAMPLE_BATCHES = (1, 2, 4)
 CL = torch.channels_last_3d
 Case = tuple[str, Callable[..., torch.Tensor], torch.Tensor]
 
@@ -124,11 +130,37 @@ def conv_rows(size: int, dtype: torch.dtype, device: torch.device, iters: int) -
             yield row
 
 
+def upsample_rows(size: int, dtype: torch.dtype, device: torch.device, compile: bool, iters: int) -> Iterator[dict]:
+    """``add + trilinear x2`` (64 channels, NDHWC) per batch size, as ``F.interpolate`` and as the gather
+    forward; ``ms_per_volume`` shows whether a form scales with the batch."""
+    gen = torch.Generator().manual_seed(0)
+    forms = {"F.interpolate": trilinear_x2_reference, "gather forward": trilinear_x2_forward}
+    for form, upsample in forms.items():
+        def block(a: torch.Tensor, b: torch.Tensor, up: Callable[..., torch.Tensor] = upsample) -> torch.Tensor:
+            return up(a + b)
+        fn = _compiled(block) if compile else block
+        for batch in UPSAMPLE_BATCHES:
+            a, b = (torch.randn(batch, 64, *(3 * [size // 2]), generator=gen).to(device, dtype).contiguous(memory_format=CL)
+                    for _ in range(2))
+            row: dict[str, Any] = {"kind": "upsample_x2", "form": form, "batch": batch, "compiled": compile}
+            try:
+                call = functools.partial(fn, a, b)
+                out = call()
+                row.update(time_ms(call, device, iters),
+                           max_abs_err=(out.float() - trilinear_x2_reference((a + b).float())).abs().max().item(),
+                           out_channels_last=out.is_contiguous(memory_format=CL))
+                row["ms_per_volume"] = row["ms_median"] / batch
+            except Exception as err:
+                row["error"] = repr(err)[:300]
+            yield row
+
+
 def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30) -> Path:
     device = resolve_device("auto")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with cudnn_benchmark_enabled():  # as the cudnn_benchmark recipe: the convs' best algorithm
-        rows = [*groupnorm_rows(size, dtype, device, compile, iters), *conv_rows(size, dtype, device, iters)]
+        rows = [*groupnorm_rows(size, dtype, device, compile, iters), *conv_rows(size, dtype, device, iters),
+                *upsample_rows(size, dtype, device, compile, iters)]
     for row in rows:
         print(json.dumps(row), flush=True)
     record = {"env": env_info(device), "size": size, "dtype": str(dtype), "groups": GROUPS, "rows": rows}

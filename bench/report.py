@@ -19,6 +19,7 @@ import csv
 import io
 import math
 import sys
+import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -190,14 +191,17 @@ def plot_throughput(table: list[dict[str, Any]], path: Path) -> Path | None:
     if not series:
         return None
     plt = _figure()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(9, 5 + 0.35 * len(series)))
     for (scenario, model, recipes), points in sorted(series.items()):
         batches = sorted(points)
-        ax.plot(batches, [points[b] for b in batches], marker="o", label=f"{scenario} {model} {recipes}")
+        label = textwrap.fill(f"{scenario} {model} {recipes}", 110, subsequent_indent="    ", break_long_words=False)
+        ax.plot(batches, [points[b] for b in batches], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("volumes / s")
-    ax.legend(fontsize=6)
+    ax.set_ylim(bottom=0)
+    # below the axes: long stack names would otherwise squeeze the plot and hide lines
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

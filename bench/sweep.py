@@ -36,7 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from bench.records import RESULTS_FILE, append_row, missing_baselines, read_rows, recipe_label
-from bench.worker import run_job
+from bench.worker import cut_by_budget, run_job
 
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -119,8 +119,16 @@ class EnsureBaseline(Callback):
                 continue
             log.info("sweep had no recipe=[] job for %s batch=%s: adding the strict-FP32 baseline",
                      row["scenario"], row["batch_size"])
-            timeout = min(float(row["config"]["bench"]["timeout_s"]), remaining)
-            record(baseline_job(row), sweep_dir, sweep_dir / f"baseline_{n}", timeout)
+            full = float(row["config"]["bench"]["timeout_s"])
+            timeout = min(full, remaining)
+            measured = run_job(baseline_job(row), sweep_dir / f"baseline_{n}", timeout)
+            # budget_s is only what the ladder left over: any shortened limit is a cut (a rerun retries it)
+            if cut_by_budget(measured, timeout, full, math.inf):
+                log.info("time budget ran out during the strict-FP32 baseline of %s batch=%s: no row, "
+                         "rerun to measure it", row["scenario"], row["batch_size"])
+                continue
+            append_row(sweep_dir / RESULTS_FILE, measured)
+            log_row(measured)
 
 
 def sweep_dir_of(hydra_cfg: Any) -> Path:

@@ -151,6 +151,13 @@ def _exit_reason(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def cut_by_budget(row: Mapping[str, Any], timeout_s: float, own_limit_s: float, budget_s: float) -> bool:
+    """Whether ``row`` timed out because a run's time budget shortened its limit (``timeout_s``), not
+    at the job's own ``bench.timeout_s``: such a row is no measurement (rerunning measures it), unless
+    the job had (nearly) the whole budget to itself, in which case it would never fit and is recorded."""
+    return row["message"].startswith(TIMEOUT_PREFIX) and timeout_s < min(own_limit_s, 0.9 * budget_s)
+
+
 def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str, Any]:
     """Run ``job`` in a fresh ``python -m bench.worker`` and return its row, whatever happened.
 

@@ -106,8 +106,9 @@ def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
 
     sampler = sampler_from_config(cfg.sampler, NoiseSchedule.from_config(cfg.diffusion))
     assert type(sampler).__name__ == "DPMSolverPPSampler" and cfg.sampler.variant == "sde" and cfg.sampler.steps == 100
-    names = [r.name for r in RecipeStack.from_config(cfg.recipe).recipes]
-    assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "compile"} <= set(names)
+    recipes = {r.name: r for r in RecipeStack.from_config(cfg.recipe).recipes}
+    assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "compile"} <= set(recipes)
+    assert recipes["gather_upsample"].forward == "gather", "batch > 1: compiled channels-last F.interpolate is slow"
     assert compose_cfg("sample", ["checkpoint=x.pt"]).sampler.name == "ddpm"
 
 
@@ -115,6 +116,8 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     """``experiment=fast_train`` is round 6's fastest train step: channels-last needs ``gather_upsample`` (its
     atomic trilinear backward costs 16.4 ms otherwise); the default stays the exact FP32 path."""
     cfg = compose_cfg("train", ["experiment=fast_train", "output_dir=/tmp/x"])
-    names = [r.name for r in RecipeStack.from_config(cfg.recipe).recipes]
+    recipes = {r.name: r for r in RecipeStack.from_config(cfg.recipe).recipes}
+    names = list(recipes)
     assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "compile"} <= set(names)
+    assert recipes["gather_upsample"].forward == "gather"
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")

@@ -3,6 +3,8 @@ has a unique identity, and the quality preset gates the quality model's architec
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.ladder import DEFAULT_BEST, PRESETS, compose_job, missing_recipes, parse_args, quality_ladder
@@ -94,3 +96,26 @@ def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):
     todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
     expected = [job for job in jobs_of("smoke", tmp_path) if "batch_size=2" in " ".join(job)]
     assert todo and len(todo) == len(expected) and all("batch_size=2" in line for line in todo)
+
+
+@pytest.mark.parametrize(("budget_s", "kept"), [(10.0, False), (math.inf, True)])
+def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budget_s, kept):
+    """EnsureBaseline at the end of a ladder: a strict-FP32 job killed because the run's budget shortened
+    its limit is no measurement (round 8 wrote such an error row for BraTS); one past its own limit is."""
+    from bench import sweep
+    from bench.records import RESULTS_FILE, append_row, read_rows
+    from bench.worker import TIMEOUT_PREFIX
+
+    job = compose_job(["bench=train_step", "recipe=[amp_bf16]"], tmp_path / "job")
+    append_row(tmp_path / RESULTS_FILE, {**base_row(job), "status": "ok", "message": ""})
+    seen = []
+
+    def timed_out(job, job_dir, timeout_s):
+        seen.append(timeout_s)
+        return {**base_row(job), "status": "error", "message": f"{TIMEOUT_PREFIX} after {timeout_s:.0f} s"}
+
+    monkeypatch.setattr(sweep, "run_job", timed_out)
+    sweep.EnsureBaseline.complete(tmp_path, budget_s)
+    rows = read_rows(tmp_path)
+    assert len(seen) == 1 and (seen[0] < 10.0) == (not kept)
+    assert [r["recipes"] for r in rows] == ([["amp_bf16"], []] if kept else [["amp_bf16"]])

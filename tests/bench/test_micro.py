@@ -1,4 +1,5 @@
-"""bench.micro: the GroupNorm forms it times agree with GroupNorm32, and it writes one record."""
+"""bench.micro: the GroupNorm forms it times agree with GroupNorm32, the upsampling forms with
+F.interpolate, and it writes one record."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def test_run_writes_rows_for_every_form_and_conv(tmp_path) -> None:
     assert convs == ["input 3->64", "input 8->64 (zero-padded input)", "output 64->1",
                      "output 64->1 via pad_conv_channels (8)"]
     assert all("error" not in r and r["ms_median"] > 0 for r in record["rows"] if r["kind"] == "conv3d")
+    ups = [r for r in record["rows"] if r["kind"] == "upsample_x2"]
+    assert [(r["form"], r["batch"]) for r in ups] == [(f, b) for f in ("F.interpolate", "gather forward")
+                                                      for b in micro.UPSAMPLE_BATCHES]
+    assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["out_channels_last"] for r in ups)
+    assert all(r["ms_per_volume"] == pytest.approx(r["ms_median"] / r["batch"]) for r in ups)
 
 
 def test_the_compiled_ndhwc_form_matches_groupnorm32() -> None:
