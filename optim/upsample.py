@@ -53,9 +53,7 @@ from torch import nn
 from optim.base import Recipe
 
 MODE = "trilinear_x2"
-
-
-FORWARDS = ("interpolate", "gather")
+FORWARDS = ("interpolate", "gather")  # the recipe's forward options: F.interpolate, or the separable gather
 
 
 def trilinear_x2_reference(x: torch.Tensor) -> torch.Tensor:
