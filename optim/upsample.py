@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,13 +131,18 @@ def trilinear_x2_gather_both(x: torch.Tensor) -> torch.Tensor:
     return _TrilinearX2.apply(x, True)
 
 
+def upsample_for(forward: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The upsampling function for the recipe's ``forward`` option (checked here, once for both entry points)."""
+    if forward not in FORWARDS:
+        raise ValueError(f"gather_upsample: forward must be one of {FORWARDS}, got {forward!r}")
+    return trilinear_x2_gather_both if forward == "gather" else trilinear_x2_gather
+
+
 def use_gather_upsample(model: nn.Module, forward: str = "interpolate") -> int:
     """Functional twin: every module declaring ``interpolation = "trilinear_x2"`` upsamples through
     :func:`trilinear_x2_gather` (``forward="gather"``: :func:`trilinear_x2_gather_both`); returns how
     many (parameter-free: state-dict keys unchanged)."""
-    if forward not in FORWARDS:
-        raise ValueError(f"gather_upsample: forward must be one of {FORWARDS}, got {forward!r}")
-    upsample = trilinear_x2_gather_both if forward == "gather" else trilinear_x2_gather
+    upsample = upsample_for(forward)
     swapped = 0
     for module in model.modules():
         if getattr(type(module), "interpolation", None) == MODE:
@@ -154,8 +160,7 @@ class GatherUpsample(Recipe):
     stage = 10
 
     def __init__(self, forward: str = "interpolate") -> None:
-        if forward not in FORWARDS:
-            raise ValueError(f"gather_upsample: forward must be one of {FORWARDS}, got {forward!r}")
+        upsample_for(forward)  # a bad option fails when the stack is built, not at the first model
         self.forward = forward
         self.swapped = 0
 
