@@ -168,5 +168,8 @@ class GatherUpsample(Recipe):
         self.swapped = use_gather_upsample(model, self.forward)
         return model
 
+    def options(self) -> dict[str, Any]:
+        return {"forward": self.forward}
+
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "forward": self.forward, "swapped_modules": self.swapped}
+        return {**super().describe(), "swapped_modules": self.swapped}
