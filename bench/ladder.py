@@ -73,6 +73,9 @@ def _swap(stack: tuple[str, ...], old: str, new: str) -> tuple[str, ...]:
     return tuple(new if name == old else name for name in stack)
 
 
+_gathered = functools.partial(_with, name="gather_upsample", after="sdpa_attention")
+
+
 def gpu_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     """whole-head 128^3 (and a BraTS memory check), in importance order."""
     sets = _unique([*RECIPE_SETS, best])
@@ -145,21 +148,20 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     padded = _with(layout, "pad_conv_channels", after="sdpa_attention")  # the 64 -> 1 output conv, 8-aligned
     # the trilinear backward as a gather, not atomics: in the channels-last step the atomic scatter takes
     # 16.4 of 75.6 ms of kernels (profile_train_channels_last_4fe4200), in NCDHW 1.9 ms (round 5)
-    gathered = functools.partial(_with, name="gather_upsample", after="sdpa_attention")
-    yield ["bench=train_step", _recipe(gathered(layout))]
+    yield ["bench=train_step", _recipe(_gathered(layout))]
     # that step's kernels take 58.9 ms of its 66.3 (profile_train_gather_0effe44): graph fwd + bwd as well
-    yield ["bench=train_step", _recipe(_swap(gathered(layout), "compile", "compile_cudagraphs"))]
+    yield ["bench=train_step", _recipe(_swap(_gathered(layout), "compile", "compile_cudagraphs"))]
     # cuDNN times only its heuristics' top 10 engine configs, and the forward's convs reach about 450 TFLOP/s,
     # 58 % of the measured matmul rate (round 7 floors). Time them all (round 7: no gain for the forward).
     exhaustive = "recipe.cudnn_benchmark.limit=0"
     yield ["bench=denoise_step", _recipe(graphs), exhaustive]
-    yield ["bench=train_step", _recipe(gathered(layout)), exhaustive]
+    yield ["bench=train_step", _recipe(_gathered(layout)), exhaustive]
     yield ["bench=full_sample", "sampler=ddpm", _recipe(graphs), exhaustive, "bench.iters=3"]
     # the 64 -> 1 output conv's wgrad + dgrad take 2.4 ms of the gather train step's 58.9 ms of kernels (round 7)
     both = "recipe.gather_upsample.forward=gather"
-    yield ["bench=train_step", _recipe(_swap(gathered(padded), "compile", "compile_cudagraphs")), both]
-    yield ["bench=denoise_step", _recipe(gathered(_swap(padded, "compile", "compile_cudagraphs"))), both]
-    yield ["bench=train_step", _recipe(gathered(best))]
+    yield ["bench=train_step", _recipe(_swap(_gathered(padded), "compile", "compile_cudagraphs")), both]
+    yield ["bench=denoise_step", _recipe(_gathered(_swap(padded, "compile", "compile_cudagraphs"))), both]
+    yield ["bench=train_step", _recipe(_gathered(best))]
     # the 25-step samplers at 128^3: SDE on the linspace grid that ends at t = 0 (quality ladder), and ODE
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25",
            "sampler.spacing=linspace", _recipe(graphs)]
@@ -170,9 +172,9 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # where the fastest stacks saturate the GPU. Inductor's compiled F.interpolate in channels-last takes 10.5 ms
     # a call at batch 4 against 0.16 at batch 1 (round 8 profiles): the upsampling forward as a gather too
     for batch in (1, *BATCHES):
-        yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(gathered(graphs)), both]
+        yield ["bench=denoise_step", f"bench.batch_size={batch}", _recipe(_gathered(graphs)), both]
     for batch in (1, *BATCHES):
-        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(_swap(gathered(layout), "compile",
+        yield ["bench=train_step", f"bench.batch_size={batch}", _recipe(_swap(_gathered(layout), "compile",
                                                                                  "compile_cudagraphs")), both]
     # max-autotune (coordinate-descent tuning of inductor's GroupNorm kernels) with graphs: without
     # them this forward is host-bound (round 5: 23.6 ms a call for 19.35 ms of kernels). Minutes to compile: last.
@@ -200,8 +202,7 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
     for stack in _unique(stacks):
         yield [*common, "bench=denoise_step", _recipe(stack)]
     # experiment=fast_sample's stack (round 8): the upsampling forward as a gather, for batch > 1
-    fast = [_recipe(_with(_swap(layout, "compile", "compile_cudagraphs"), "gather_upsample", after="sdpa_attention")),
-            "recipe.gather_upsample.forward=gather"]
+    fast = [_recipe(_gathered(_swap(layout, "compile", "compile_cudagraphs"))), "recipe.gather_upsample.forward=gather"]
     yield [*common, "bench=denoise_step", *fast]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
