@@ -161,6 +161,12 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     both = "recipe.gather_upsample.forward=gather"
     yield ["bench=train_step", _recipe(_swap(_gathered(padded), "compile", "compile_cudagraphs")), both]
     yield ["bench=denoise_step", _recipe(_gathered(_swap(padded, "compile", "compile_cudagraphs"))), both]
+    # the end convs as GEMMs (im2col for 3 -> 64, GEMM + col2im for 64 -> 1): their cuDNN kernels run at a few % of
+    # the tensor cores' rate (input conv forward 0.64 ms, output conv wgrad + dgrad 2.4 ms a step, round 7)
+    narrow = _gathered(_with(graphs, "narrow_conv_gemm", after="sdpa_attention"))
+    yield ["bench=train_step", _recipe(narrow), both]
+    yield ["bench=denoise_step", _recipe(narrow), both]
+    yield ["bench=full_sample", "sampler=ddpm", _recipe(narrow), both, "bench.iters=3"]
     yield ["bench=train_step", _recipe(_gathered(best))]
     # the 25-step samplers at 128^3: SDE on the linspace grid that ends at t = 0 (quality ladder), and ODE
     yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=25",

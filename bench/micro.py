@@ -10,9 +10,10 @@ activation of C channels at size³), so a form can be chosen before a ladder run
   layouts. Each row has the max abs error against float32 ``F.group_norm`` and the effective
   bandwidth of one read and one write of the activation (``tb_s_rw``; the real traffic is larger:
   the statistics read it once more).
-* **The network's end convolutions** in NDHWC: 3 -> 64 (input) as it is and with its input
-  channels zero-padded to 8, and 64 -> 1 (output) as it is and as ``pad_conv_channels`` computes it
-  (cuDNN's NDHWC kernels work in channel multiples of 8).
+* **The network's end convolutions** in NDHWC, forward and forward + backward: 3 -> 64 (input) as
+  it is, with its input channels zero-padded to 8 and as ``narrow_conv_gemm``'s im2col GEMM; 64 -> 1
+  (output) as it is, as ``pad_conv_channels`` computes it (cuDNN's NDHWC kernels work in channel
+  multiples of 8) and as ``narrow_conv_gemm``'s GEMM + col2im (compiled, as in the network).
 * **Trilinear ×2 upsampling against batch size** (64 channels, size/2 -> size, NDHWC, batch 1/2/4,
   after a residual add as in the decoder): ``F.interpolate`` and ``gather_upsample``'s separable
   gather forward (:func:`optim.upsample.trilinear_x2_forward`), compiled. Inductor's compiled
@@ -21,6 +22,7 @@ activation of C channels at size³), so a form can be chosen before a ladder run
 Usage:
     python -m bench.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
     python -m bench.micro out=/tmp/micro size=16 compile=false     # quick check
+    python -m bench.micro out=/tmp/micro kinds=conv                # only the end convolutions
 
 Writes ``OUT/micro.json`` (env + rows) atomically; a failing case becomes a row with ``error``.
 """
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from bench.timing import time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
@@ -46,6 +49,7 @@ from optim.fused_groupnorm import (
     group_norm_act_torch,
     triton_available,
 )
+from optim.narrow_conv import form_for, gemm_conv_forward
 from optim.pad_channels import pad_dim, padded_conv_forward
 from optim.upsample import trilinear_x2_forward, trilinear_x2_reference
 
@@ -108,23 +112,44 @@ def groupnorm_rows(size: int, dtype: torch.dtype, device: torch.device, compile:
             yield row
 
 
-def conv_rows(size: int, dtype: torch.dtype, device: torch.device, iters: int) -> Iterator[dict]:
-    """The input (3 -> 64) convolution as it is and with its input channels zero-padded to 8, and the
-    output (64 -> 1) convolution as it is and as ``pad_conv_channels`` computes it (slice and copy included)."""
+def end_conv_cases(size: int, dtype: torch.dtype, device: torch.device, compile: bool
+                   ) -> Iterator[tuple[str, nn.Conv3d, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
+    """(label, conv, form, input) for each way of computing the two end convolutions: as cuDNN runs
+    them, with channels zero-padded to 8, and as ``narrow_conv_gemm``'s GEMM (compiled, as in the network)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 3, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-    w = torch.randn(64, 3, 3, 3, 3, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-    out_conv = torch.nn.Conv3d(64, 1, 3, padding=1).to(device, dtype, memory_format=CL)
-    h = torch.randn(1, 64, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
-    cases = {"input 3->64": functools.partial(F.conv3d, x, w, padding=1),
-             "input 8->64 (zero-padded input)": functools.partial(F.conv3d, pad_dim(x, 1), pad_dim(w, 1), padding=1),
-             "output 64->1": functools.partial(out_conv, h),
-             "output 64->1 via pad_conv_channels (8)": functools.partial(padded_conv_forward, h, out_conv, 8)}
-    with torch.no_grad():
-        for label, call in cases.items():
-            row: dict[str, Any] = {"kind": "conv3d", "conv": label}
+    for label, cin, cout in (("input 3->64", 3, 64), ("output 64->1", 64, 1)):
+        conv = nn.Conv3d(cin, cout, 3, padding=1).to(device, dtype, memory_format=CL)
+        x = torch.randn(1, cin, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+        x.requires_grad_(cin == 64)  # the network's input takes no gradient; its last activation does
+        yield label, conv, conv, x
+        if cin < 8:
+            yield f"{label} (zero-padded input)", conv, lambda x, c=conv: F.conv3d(
+                pad_dim(x, 1), pad_dim(c.weight, 1), c.bias, padding=1), x
+        else:
+            yield f"{label} via pad_conv_channels (8)", conv, functools.partial(padded_conv_forward, conv=conv,
+                                                                                 multiple=8), x
+        gemm = functools.partial(gemm_conv_forward, conv=conv, form=form_for(conv))
+        yield f"{label} via narrow_conv_gemm ({form_for(conv)})", conv, _compiled(gemm) if compile else gemm, x
+
+
+def _forward_backward(form: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor) -> None:
+    form(x).backward(grad)
+
+
+def conv_rows(size: int, dtype: torch.dtype, device: torch.device, compile: bool, iters: int) -> Iterator[dict]:
+    """Each end-convolution form's forward, and forward + backward as a training step runs it (the
+    weight gradient, and the input gradient for the output conv), with its error against the conv."""
+    for label, conv, form, x in end_conv_cases(size, dtype, device, compile):
+        for pass_ in ("forward", "forward+backward"):
+            row: dict[str, Any] = {"kind": "conv3d", "conv": label, "pass": pass_}
             try:
-                row.update(time_ms(call, device, iters))
+                if pass_ == "forward":
+                    with torch.no_grad():
+                        row.update(time_ms(functools.partial(form, x), device, iters),
+                                   max_abs_err=(form(x).float() - conv(x).float()).abs().max().item())
+                else:
+                    row.update(time_ms(functools.partial(_forward_backward, form, x, torch.ones_like(form(x))),
+                                       device, iters))
             except Exception as err:
                 row["error"] = repr(err)[:300]
             yield row
@@ -155,12 +180,17 @@ def upsample_rows(size: int, dtype: torch.dtype, device: torch.device, compile: 
             yield row
 
 
-def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30) -> Path:
+KINDS = {"groupnorm": groupnorm_rows, "conv": conv_rows, "upsample": upsample_rows}
+
+
+def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30, kinds: tuple[str, ...] = tuple(KINDS)) -> Path:
+    """Time the ``kinds`` of rows (keys of :data:`KINDS`) and write ``out/micro.json``."""
+    if unknown := set(kinds) - set(KINDS):
+        raise SystemExit(f"bench.micro: unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
     device = resolve_device("auto")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with cudnn_benchmark_enabled():  # as the cudnn_benchmark recipe: the convs' best algorithm
-        rows = [*groupnorm_rows(size, dtype, device, compile, iters), *conv_rows(size, dtype, device, iters),
-                *upsample_rows(size, dtype, device, compile, iters)]
+        rows = [row for kind in kinds for row in KINDS[kind](size, dtype, device, compile, iters)]
     for row in rows:
         print(json.dumps(row), flush=True)
     record = {"env": env_info(device), "size": size, "dtype": str(dtype), "groups": GROUPS, "rows": rows}
@@ -169,11 +199,12 @@ def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30) -> Pa
 
 def main(argv: list[str]) -> int:
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if "out" not in args or set(args) - {"out", "size", "compile", "iters"}:
-        print("usage: python -m bench.micro out=DIR [size=128] [compile=true|false] [iters=30]", file=sys.stderr)
+    if "out" not in args or set(args) - {"out", "size", "compile", "iters", "kinds"}:
+        print("usage: python -m bench.micro out=DIR [size=128] [compile=true|false] [iters=30] "
+              f"[kinds={','.join(KINDS)}]", file=sys.stderr)
         return 2
     path = run(Path(args["out"]), int(args.get("size", 128)), args.get("compile", "true") == "true",
-               int(args.get("iters", 30)))
+               int(args.get("iters", 30)), tuple(args.get("kinds", ",".join(KINDS)).split(",")))
     print(path)
     return 0
 

@@ -19,15 +19,25 @@ def test_run_writes_rows_for_every_form_and_conv(tmp_path) -> None:
     gn = [r for r in record["rows"] if r["kind"] == "groupnorm_silu"]
     assert [r["channels"] for r in gn] == list(micro.CHANNELS)  # CPU, no compile: the eager composite only
     assert all("error" not in r and r["max_abs_err"] == 0.0 and r["ms_median"] > 0 for r in gn)
-    convs = [r["conv"] for r in record["rows"] if r["kind"] == "conv3d"]
-    assert convs == ["input 3->64", "input 8->64 (zero-padded input)", "output 64->1",
-                     "output 64->1 via pad_conv_channels (8)"]
-    assert all("error" not in r and r["ms_median"] > 0 for r in record["rows"] if r["kind"] == "conv3d")
+    convs = [(r["conv"], r["pass"]) for r in record["rows"] if r["kind"] == "conv3d"]
+    forms = ["input 3->64", "input 3->64 (zero-padded input)", "input 3->64 via narrow_conv_gemm (im2col)",
+             "output 64->1", "output 64->1 via pad_conv_channels (8)", "output 64->1 via narrow_conv_gemm (col2im)"]
+    assert convs == [(f, p) for f in forms for p in ("forward", "forward+backward")]
+    for r in record["rows"]:
+        if r["kind"] == "conv3d":  # every form is the same convolution (float32 on the CPU)
+            assert "error" not in r and r["ms_median"] > 0 and r.get("max_abs_err", 0) < 1e-4, r
     ups = [r for r in record["rows"] if r["kind"] == "upsample_x2"]
     assert [(r["form"], r["batch"]) for r in ups] == [(f, b) for f in ("F.interpolate", "gather forward")
                                                       for b in micro.UPSAMPLE_BATCHES]
     assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["out_channels_last"] for r in ups)
     assert all(r["ms_per_volume"] == pytest.approx(r["ms_median"] / r["batch"]) for r in ups)
+
+
+def test_kinds_selects_rows_and_rejects_unknown_ones(tmp_path) -> None:
+    record = json.loads(micro.run(tmp_path, size=8, compile=False, iters=2, kinds=("conv",)).read_text())
+    assert {r["kind"] for r in record["rows"]} == {"conv3d"}
+    with pytest.raises(SystemExit, match="unknown kinds"):
+        micro.run(tmp_path, size=8, kinds=("convs",))
 
 
 def test_the_compiled_ndhwc_form_matches_groupnorm32() -> None:

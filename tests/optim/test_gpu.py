@@ -178,6 +178,30 @@ def test_pad_conv_channels_output_conv_runs_without_layout_conversions() -> None
     assert not [n for n in names if "nchwToNhwc" in n or "nhwcToNchw" in n], names
 
 
+@pytest.mark.parametrize(("cin", "cout"), [(3, 64), (64, 1)], ids=["im2col", "col2im"])
+def test_narrow_conv_gemm_compiled_matches_cudnn_without_layout_conversions(cin: int, cout: int) -> None:
+    """Med-DDPM's end convs in bf16 NDHWC, compiled as the network runs them: the GEMM form agrees with
+    cuDNN's conv (forward and weight gradient) and launches no NCDHW<->NDHWC conversion."""
+    from optim.narrow_conv import form_for, gemm_conv_forward
+
+    cl = torch.channels_last_3d
+    conv = torch.nn.Conv3d(cin, cout, 3, padding=1).cuda().to(memory_format=cl)
+    x = torch.randn(1, cin, 64, 64, 64, device="cuda").contiguous(memory_format=cl)
+    gemm = torch.compile(lambda x: gemm_conv_forward(x, conv, form_for(conv)), options={"layout_optimization": False})
+    outs = []
+    with torch.autocast("cuda", torch.bfloat16):
+        for fn in (conv, gemm):
+            y = fn(x)
+            (grad,) = torch.autograd.grad(y.float().square().mean(), conv.weight)
+            outs.append((y.float(), grad))
+        names = _kernel_names(lambda: gemm(x))
+    (y_ref, g_ref), (y, g) = outs
+    assert y.is_contiguous(memory_format=cl)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=2e-2 * y_ref.abs().max().item())
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=2e-2 * g_ref.abs().max().item())
+    assert not [n for n in names if "nchwToNhwc" in n or "nhwcToNchw" in n], names
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["ncdhw", "ndhwc"])
 def test_gather_upsample_backward_matches_cuda_kernel(channels_last: bool) -> None:
     """The closed-form gather against PyTorch's atomic CUDA backward, at a decoder shape, both layouts."""
