@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_batch, tiny_unet
 
-from optim import RecipeConflictError, RecipeStack
+from optim import NarrowConvGemm, RecipeConflictError, RecipeStack, gemm_narrow_convs
 from optim.forward_override import overrides
-from optim.narrow_conv import NarrowConvGemm, form_for, gemm_col2im_conv3d, gemm_narrow_convs, im2col_conv3d
+from optim.narrow_conv import form_for, gemm_col2im_conv3d, im2col_conv3d
 
 CL = torch.channels_last_3d
 F64 = torch.float64
