@@ -33,7 +33,9 @@ rounding per tap product, as a bf16 convolution's output is rounded once).
 The module, its Parameters and its state-dict keys are unchanged (the forward is overridden).
 
 Example:
-    >>> gemm_narrow_convs(model)          # Med-DDPM whole-head
+    >>> gemm_narrow_convs(model)                              # Med-DDPM whole-head, default forms
+    {'out.2': 'col2im'}
+    >>> gemm_narrow_convs(model, forms=("im2col", "col2im"))  # the input conv too
     {'input_blocks.0.0': 'im2col', 'out.2': 'col2im'}
 """
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,10 +58,12 @@ NARROW = 8  # cuDNN's NDHWC channel granule for 16-bit types: narrower convs fal
 ALIGN = 8  # GEMM leading dimensions padded to 8 elements (16 bytes), the alignment cuBLAS's tensor-core kernels need
 
 
-def check_narrow(narrow: int) -> None:
-    """The one validation of ``narrow``, shared by the recipe and its functional twin."""
+def check_options(narrow: int, forms: tuple[str, ...]) -> None:
+    """The one validation of the options, shared by the recipe and its functional twin."""
     if not isinstance(narrow, int) or narrow < 2:
         raise RecipeConflictError(f"narrow_conv_gemm narrow must be an integer >= 2, got {narrow!r}")
+    if not forms or set(forms) - set(FORMS):
+        raise RecipeConflictError(f"narrow_conv_gemm forms must be a non-empty subset of {sorted(FORMS)}, got {forms!r}")
 
 
 def is_same_conv(conv: nn.Module) -> bool:
@@ -71,13 +76,13 @@ def is_same_conv(conv: nn.Module) -> bool:
     return same and all(s % 2 for s in k) and set(conv.stride) == {1} and set(conv.dilation) == {1}
 
 
-def form_for(conv: nn.Module, narrow: int = NARROW) -> str | None:
-    """``"im2col"`` when the input is narrow, ``"col2im"`` when only the output is, else ``None``."""
+def form_for(conv: nn.Module, narrow: int = NARROW, forms: tuple[str, ...] = ("im2col", "col2im")) -> str | None:
+    """Of ``forms``: ``"im2col"`` when the input is narrow, ``"col2im"`` when the output is, else ``None``."""
     if not is_same_conv(conv):
         return None
-    if conv.in_channels < narrow:
+    if conv.in_channels < narrow and "im2col" in forms:
         return "im2col"
-    return "col2im" if conv.out_channels < narrow else None
+    return "col2im" if conv.out_channels < narrow and "col2im" in forms else None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -140,6 +145,8 @@ def gemm_col2im_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 FORMS = {"im2col": im2col_conv3d, "col2im": gemm_col2im_conv3d}
+# im2col measured 3x slower than cuDNN's 3 -> 64 forward on the H200 (bench.micro, round 9): opt in with forms
+DEFAULT_FORMS = ("col2im",)
 
 
 def gemm_conv_forward(x: torch.Tensor, conv: nn.Conv3d, form: str) -> torch.Tensor:
@@ -152,20 +159,20 @@ def _gemm(original: Any, conv: nn.Conv3d, form: str) -> Any:
     return functools.partial(gemm_conv_forward, conv=conv, form=form)
 
 
-def gemm_narrow_convs(model: nn.Module, narrow: int = NARROW) -> dict[str, str]:
+def gemm_narrow_convs(model: nn.Module, narrow: int = NARROW, forms: tuple[str, ...] = DEFAULT_FORMS) -> dict[str, str]:
     """Functional twin: compute every "same" ``Conv3d`` with fewer than ``narrow`` input or output
-    channels as a GEMM; returns ``{module name: form}`` (state-dict keys unchanged)."""
-    check_narrow(narrow)
-    forms = {}
+    channels as a GEMM of ``forms``; returns ``{module name: form}`` (state-dict keys unchanged)."""
+    check_options(narrow, forms)
+    applied = {}
     for name, module in model.named_modules():
-        if form := form_for(module, narrow):
+        if form := form_for(module, narrow, forms):
             override_forward(module, functools.partial(_gemm, conv=module, form=form))
-            forms[name] = form
-    return forms
+            applied[name] = form
+    return applied
 
 
 class NarrowConvGemm(Recipe):
-    """Compute Med-DDPM's narrow end convolutions (3 -> 64, 64 -> 1) as dense GEMMs."""
+    """Compute Med-DDPM's narrow end convolutions (64 -> 1; 3 -> 64 with ``forms``) as dense GEMMs."""
 
     name = "narrow_conv_gemm"
     exact = False
@@ -173,17 +180,17 @@ class NarrowConvGemm(Recipe):
     stage = 10
     conflicts = ("pad_conv_channels",)  # both replace the output convolution's forward
 
-    def __init__(self, narrow: int = NARROW) -> None:
-        check_narrow(narrow)
-        self.narrow = narrow
-        self.forms: dict[str, str] = {}
+    def __init__(self, narrow: int = NARROW, forms: Sequence[str] = DEFAULT_FORMS) -> None:
+        self.narrow, self.forms = narrow, tuple(forms)
+        check_options(self.narrow, self.forms)
+        self.applied: dict[str, str] = {}
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        self.forms = gemm_narrow_convs(model, self.narrow)
+        self.applied = gemm_narrow_convs(model, self.narrow, self.forms)
         return model
 
     def options(self) -> dict[str, Any]:
-        return {"narrow": self.narrow}
+        return {"narrow": self.narrow, "forms": list(self.forms)}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "gemm_convs": self.forms}
+        return {**super().describe(), "gemm_convs": self.applied}

@@ -98,6 +98,21 @@ def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):
     assert todo and len(todo) == len(expected) and all("batch_size=2" in line for line in todo)
 
 
+@pytest.mark.parametrize("only", [False, True])
+def test_only_adds_no_missing_baselines(tmp_path, monkeypatch, only):
+    """A full ladder spends its leftover budget on missing strict-FP32 baselines; ``only=`` runs just its jobs."""
+    from bench import ladder, sweep
+    from bench.records import RESULTS_FILE, append_row
+
+    job = ["experiment=bench_smoke", "bench=train_step", "recipe=[amp_bf16]"]
+    append_row(tmp_path / RESULTS_FILE, {**base_row(compose_job(job, tmp_path / "job")), "status": "ok", "message": ""})
+    completed = []
+    monkeypatch.setattr(sweep.EnsureBaseline, "complete", lambda out, budget_s: completed.append(out))
+    monkeypatch.setattr(ladder, "PRESETS", {**ladder.PRESETS, "smoke": lambda best: iter([job])})
+    ladder.main([f"out={tmp_path}", "preset=smoke", "budget_s=60", *(["only=amp_bf16"] if only else [])])
+    assert completed == ([] if only else [tmp_path])
+
+
 @pytest.mark.parametrize(("budget_s", "kept"), [(10.0, False), (math.inf, True)])
 def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budget_s, kept):
     """EnsureBaseline at the end of a ladder: a strict-FP32 job killed because the run's budget shortened

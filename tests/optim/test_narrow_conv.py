@@ -74,6 +74,9 @@ def test_which_convolutions_get_which_form() -> None:
     assert form_for(torch.nn.Conv3d(3, 1, 3, padding=1)) == "im2col"  # both narrow: K = 27 x 3 is the small side
     assert form_for(torch.nn.Conv3d(8, 64, 3, padding=1)) is None  # BraTS's 8-channel input is already aligned
     assert form_for(torch.nn.Conv3d(64, 4, 3, padding=1), narrow=4) is None
+    assert form_for(torch.nn.Conv3d(3, 64, 3, padding=1), forms=("col2im",)) is None
+    assert form_for(torch.nn.Conv3d(3, 1, 3, padding=1), forms=("col2im",)) == "col2im"
+    assert gemm_narrow_convs(tiny_unet()) == {"out.2": "col2im"}  # the default: im2col is slower than cuDNN
     for conv in (torch.nn.Conv3d(3, 64, 3), torch.nn.Conv3d(3, 64, 3, padding=1, stride=2),
                  torch.nn.Conv3d(3, 64, 3, padding=2, dilation=2), torch.nn.Conv3d(4, 64, 3, padding=1, groups=2),
                  torch.nn.Conv3d(3, 64, 2, padding="same"), torch.nn.Conv3d(3, 64, 3, padding=1, padding_mode="reflect"),
@@ -85,7 +88,7 @@ def test_which_convolutions_get_which_form() -> None:
 def test_tiny_unet_matches_forward_and_gradients(channels_last: bool) -> None:
     ref, model = tiny_unet(), tiny_unet()
     keys = list(model.state_dict())
-    assert gemm_narrow_convs(model) == {"input_blocks.0.0": "im2col", "out.2": "col2im"}
+    assert gemm_narrow_convs(model, forms=("im2col", "col2im")) == {"input_blocks.0.0": "im2col", "out.2": "col2im"}
     assert list(model.state_dict()) == keys and len(overrides(model.get_submodule("out.2"))) == 1
     x, t, target = tiny_batch(batch=2)
     if channels_last:
@@ -103,7 +106,8 @@ def test_tiny_unet_matches_forward_and_gradients(channels_last: bool) -> None:
 def test_deepcopy_runs_the_copy_and_describe_lists_the_forms() -> None:
     recipe = NarrowConvGemm()
     model = recipe.prepare_model(torch.nn.Sequential(torch.nn.Conv3d(16, 1, 3, padding=1)))
-    assert recipe.describe()["gemm_convs"] == {"0": "col2im"} and recipe.describe()["narrow"] == 8
+    assert recipe.describe()["gemm_convs"] == {"0": "col2im"}
+    assert recipe.describe()["narrow"] == 8 and recipe.describe()["forms"] == ["col2im"]
     x = torch.randn(1, 16, 4, 4, 4)
     ema = copy.deepcopy(model)
     with torch.no_grad():
@@ -117,7 +121,10 @@ def test_conflicts_with_pad_conv_channels_and_bad_options_are_refused() -> None:
         RecipeStack.from_config({"narrow_conv_gemm": {"_target_": "optim.narrow_conv.NarrowConvGemm"},
                                  "pad_conv_channels": {"_target_": "optim.pad_channels.PadConvChannels"}})
     for narrow in (1, 0, 2.5):
-        with pytest.raises(RecipeConflictError, match="narrow"):
+        with pytest.raises(RecipeConflictError, match="narrow must be"):
             NarrowConvGemm(narrow)
-        with pytest.raises(RecipeConflictError, match="narrow"):
+        with pytest.raises(RecipeConflictError, match="narrow must be"):
             gemm_narrow_convs(torch.nn.Conv3d(8, 1, 3), narrow)
+    for forms in ((), ("im2col", "winograd")):
+        with pytest.raises(RecipeConflictError, match="forms must be"):
+            NarrowConvGemm(forms=forms)
