@@ -8,6 +8,7 @@ unscale -> (record grads) -> scaler.step -> update.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,3 +92,13 @@ def recipe_files() -> list[Path]:
     files = sorted(RECIPE_DIR.glob("*.yaml"))
     assert files, f"no recipe configs in {RECIPE_DIR}"
     return files
+
+
+def assert_deepcopy_runs_the_copy(model: torch.nn.Module, x: torch.Tensor) -> None:
+    """A forward override must follow ``copy.deepcopy`` (an EMA copy): the zeroed copy computes zeros
+    while the original does not (an override still bound to the original would not)."""
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.zero_()
+    assert ema(x).abs().max() == 0 and model(x).abs().max() > 0

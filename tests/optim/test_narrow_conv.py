@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_batch, tiny_unet
+from conftest import assert_deepcopy_runs_the_copy, tiny_batch, tiny_unet
 
 from optim import NarrowConvGemm, RecipeConflictError, RecipeStack, gemm_narrow_convs
 from optim.forward_override import overrides
@@ -108,12 +106,7 @@ def test_deepcopy_runs_the_copy_and_describe_lists_the_forms() -> None:
     model = recipe.prepare_model(torch.nn.Sequential(torch.nn.Conv3d(16, 1, 3, padding=1)))
     assert recipe.describe()["gemm_convs"] == {"0": "col2im"}
     assert recipe.describe()["narrow"] == 8 and recipe.describe()["forms"] == ["col2im"]
-    x = torch.randn(1, 16, 4, 4, 4)
-    ema = copy.deepcopy(model)
-    with torch.no_grad():
-        ema[0].weight.zero_()
-        ema[0].bias.zero_()
-    assert ema(x).abs().max() == 0 and model(x).abs().max() > 0
+    assert_deepcopy_runs_the_copy(model, torch.randn(1, 16, 4, 4, 4))
 
 
 def test_conflicts_with_pad_conv_channels_and_bad_options_are_refused() -> None:
