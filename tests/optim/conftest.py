@@ -102,3 +102,10 @@ def assert_deepcopy_runs_the_copy(model: torch.nn.Module, x: torch.Tensor) -> No
         for p in ema.parameters():
             p.zero_()
     assert ema(x).abs().max() == 0 and model(x).abs().max() > 0
+
+
+def output_and_grads(net: torch.nn.Module, x, t, target) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward and L1 backward: the output and every parameter's gradient, in parameter order."""
+    y = net(x, t)
+    F.l1_loss(y, target).backward()
+    return y, [p.grad for p in net.parameters()]

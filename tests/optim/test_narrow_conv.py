@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_deepcopy_runs_the_copy, tiny_batch, tiny_unet
+from conftest import assert_deepcopy_runs_the_copy, output_and_grads, tiny_batch, tiny_unet
 
 from optim import NarrowConvGemm, RecipeConflictError, RecipeStack, gemm_narrow_convs
 from optim.forward_override import overrides
@@ -91,12 +91,7 @@ def test_tiny_unet_matches_forward_and_gradients(channels_last: bool) -> None:
     x, t, target = tiny_batch(batch=2)
     if channels_last:
         ref, model, x = ref.to(memory_format=CL), model.to(memory_format=CL), x.contiguous(memory_format=CL)
-    outs = []
-    for net in (ref, model):
-        y = net(x, t)
-        F.l1_loss(y, target).backward()
-        outs.append((y, [p.grad for p in net.parameters()]))
-    (y_ref, g_ref), (y, g) = outs
+    (y_ref, g_ref), (y, g) = (output_and_grads(net, x, t, target) for net in (ref, model))
     for a, b in zip([y, *g], [y_ref, *g_ref], strict=True):  # float32: only the summation order differs
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6 + 1e-5 * b.abs().max().item())  # the card's tolerance
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_deepcopy_runs_the_copy, tiny_batch, tiny_unet
+from conftest import assert_deepcopy_runs_the_copy, output_and_grads, tiny_batch, tiny_unet
 
 from optim import RecipeConflictError, pad_conv_out_channels
 from optim.forward_override import overrides
@@ -46,12 +46,7 @@ def test_padded_network_matches_forward_and_gradients(channels_last: bool) -> No
     if channels_last:
         ref, model = ref.to(memory_format=CL), model.to(memory_format=CL)
         x = x.contiguous(memory_format=CL)
-    outs = []
-    for net in (ref, model):
-        y = net(x, t)
-        F.l1_loss(y, target).backward()
-        outs.append((y, [p.grad for p in net.parameters()]))
-    (y_ref, g_ref), (y, g) = outs
+    (y_ref, g_ref), (y, g) = (output_and_grads(net, x, t, target) for net in (ref, model))
     assert y.shape == y_ref.shape and y.is_contiguous()  # dense (one channel: both layouts)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)  # float32: only the summation order may differ
     for a, b in zip(g, g_ref, strict=True):
