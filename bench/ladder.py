@@ -207,8 +207,10 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
               ("amp_bf16", "fused_groupnorm", "sdpa_attention"), best, layout]
     for stack in _unique(stacks):
         yield [*common, "bench=denoise_step", _recipe(stack)]
-    # experiment=fast_sample's stack (round 8): the upsampling forward as a gather, for batch > 1
-    fast = [_recipe(_gathered(_swap(layout, "compile", "compile_cudagraphs"))), "recipe.gather_upsample.forward=gather"]
+    # experiment=fast_sample's stack: the upsampling forward as a gather, for batch > 1 (round 8), the output conv
+    # as a GEMM + col2im (round 9)
+    fast_stack = _gathered(_with(_swap(layout, "compile", "compile_cudagraphs"), "narrow_conv_gemm", after="sdpa_attention"))
+    fast = [_recipe(fast_stack), "recipe.gather_upsample.forward=gather"]
     yield [*common, "bench=denoise_step", *fast]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]

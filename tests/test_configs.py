@@ -109,6 +109,7 @@ def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
     recipes = {r.name: r for r in RecipeStack.from_config(cfg.recipe).recipes}
     assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "compile"} <= set(recipes)
     assert recipes["gather_upsample"].forward == "gather", "batch > 1: compiled channels-last F.interpolate is slow"
+    assert recipes["narrow_conv_gemm"].forms == ("col2im",), "the output conv only: im2col is slower than cuDNN"
     assert compose_cfg("sample", ["checkpoint=x.pt"]).sampler.name == "ddpm"
 
 
@@ -119,5 +120,5 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     recipes = {r.name: r for r in RecipeStack.from_config(cfg.recipe).recipes}
     names = list(recipes)
     assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "compile"} <= set(names)
-    assert recipes["gather_upsample"].forward == "gather"
+    assert recipes["gather_upsample"].forward == "gather" and recipes["narrow_conv_gemm"].forms == ("col2im",)
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")

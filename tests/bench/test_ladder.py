@@ -134,3 +134,17 @@ def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budge
     rows = read_rows(tmp_path)
     assert len(seen) == 1 and (seen[0] < 10.0) == (not kept)
     assert [r["recipes"] for r in rows] == ([["amp_bf16"], []] if kept else [["amp_bf16"]])
+
+
+def test_quality_preset_ends_with_the_fast_sample_experiment(tmp_path):
+    """The gate's last job is exactly ``experiment=fast_sample``'s sampler and recipe stack (options included)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from bench.sweep import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        experiment = compose("sample", overrides=["experiment=fast_sample", "checkpoint=x.pt"])
+    gated = compose_job(jobs_of("quality", tmp_path)[-1], tmp_path / "last")["config"]
+    assert gated["recipe"] == OmegaConf.to_container(experiment.recipe, resolve=True)
+    assert gated["sampler"] == OmegaConf.to_container(experiment.sampler, resolve=True)
