@@ -76,6 +76,14 @@ def _swap(stack: tuple[str, ...], old: str, new: str) -> tuple[str, ...]:
 _gathered = functools.partial(_with, name="gather_upsample", after="sdpa_attention")
 
 
+def fast_sample_stack(best: tuple[str, ...]) -> tuple[str, ...]:
+    """``experiment=fast_sample``'s recipes (with ``recipe.gather_upsample.forward=gather``): ``best`` in
+    channels-last with CUDA-graph trees, the upsampling as a gather (round 8) and the output conv as a
+    GEMM + col2im (round 9)."""
+    graphs = _swap(_with(best, "channels_last_3d"), "compile", "compile_cudagraphs")
+    return _gathered(_with(graphs, "narrow_conv_gemm", after="sdpa_attention"))
+
+
 def gpu_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     """whole-head 128^3 (and a BraTS memory check), in importance order."""
     sets = _unique([*RECIPE_SETS, best])
@@ -161,9 +169,9 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     both = "recipe.gather_upsample.forward=gather"
     yield ["bench=train_step", _recipe(_swap(_gathered(padded), "compile", "compile_cudagraphs")), both]
     yield ["bench=denoise_step", _recipe(_gathered(_swap(padded, "compile", "compile_cudagraphs"))), both]
-    # the end convs as GEMMs (im2col for 3 -> 64, GEMM + col2im for 64 -> 1): their cuDNN kernels run at a few % of
-    # the tensor cores' rate (input conv forward 0.64 ms, output conv wgrad + dgrad 2.4 ms a step, round 7)
-    narrow = _gathered(_with(graphs, "narrow_conv_gemm", after="sdpa_attention"))
+    # the 64 -> 1 output conv as a GEMM + col2im: cuDNN runs it at a few % of the tensor cores' rate (its wgrad +
+    # dgrad take 2.4 ms of the step, round 7)
+    narrow = fast_sample_stack(best)
     yield ["bench=train_step", _recipe(narrow), both]
     yield ["bench=denoise_step", _recipe(narrow), both]
     yield ["bench=full_sample", "sampler=ddpm", _recipe(narrow), both, "bench.iters=3"]
@@ -207,10 +215,7 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
               ("amp_bf16", "fused_groupnorm", "sdpa_attention"), best, layout]
     for stack in _unique(stacks):
         yield [*common, "bench=denoise_step", _recipe(stack)]
-    # experiment=fast_sample's stack: the upsampling forward as a gather, for batch > 1 (round 8), the output conv
-    # as a GEMM + col2im (round 9)
-    fast_stack = _gathered(_with(_swap(layout, "compile", "compile_cudagraphs"), "narrow_conv_gemm", after="sdpa_attention"))
-    fast = [_recipe(fast_stack), "recipe.gather_upsample.forward=gather"]
+    fast = [_recipe(fast_sample_stack(best)), "recipe.gather_upsample.forward=gather"]  # = experiment=fast_sample
     yield [*common, "bench=denoise_step", *fast]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
