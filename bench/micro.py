@@ -128,8 +128,9 @@ def end_conv_cases(size: int, dtype: torch.dtype, device: torch.device, compile:
         else:
             yield f"{label} via pad_conv_channels (8)", conv, functools.partial(padded_conv_forward, conv=conv,
                                                                                  multiple=8), x
-        gemm = functools.partial(gemm_conv_forward, conv=conv, form=form_for(conv))
-        yield f"{label} via narrow_conv_gemm ({form_for(conv)})", conv, _compiled(gemm) if compile else gemm, x
+        form = form_for(conv)
+        gemm = functools.partial(gemm_conv_forward, conv=conv, form=form)
+        yield f"{label} via narrow_conv_gemm ({form})", conv, _compiled(gemm) if compile else gemm, x
 
 
 def _forward_backward(form: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor) -> None:

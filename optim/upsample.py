@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optim.base import Recipe
+from optim.channels_last import is_only_channels_last_3d
 
 MODE = "trilinear_x2"
 FORWARDS = ("interpolate", "gather")  # the recipe's forward options: F.interpolate, or the separable gather
@@ -78,8 +79,8 @@ def trilinear_x2_forward(x: torch.Tensor) -> torch.Tensor:
     y = x.to(torch.promote_types(x.dtype, torch.float32))
     for dim in (4, 3, 2):
         y = interpolate_x2(y, dim)
-    channels_last = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
-    return y.to(x.dtype, memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format)
+    layout = torch.channels_last_3d if is_only_channels_last_3d(x) else torch.contiguous_format
+    return y.to(x.dtype, memory_format=layout)
 
 
 def adjoint_x2(g: torch.Tensor, dim: int) -> torch.Tensor:
