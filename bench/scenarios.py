@@ -74,7 +74,7 @@ def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x
     The scaler is a disabled pass-through unless the stack has fp16 autocast (one code path).
     """
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR, **stack.optimizer_options())
     scaler = stack.grad_scaler(x0.device.type)
     gen = torch.Generator(device=x0.device).manual_seed(int(cfg["seed"]))
     loss_type = cfg["diffusion"].get("loss_type", "l1")

@@ -129,7 +129,7 @@ def build(cfg: DictConfig) -> Job:
         ema=ema,
         schedule=schedule,
         stack=stack,
-        optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr),
+        optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr, **stack.optimizer_options()),
         scaler=stack.grad_scaler(device.type),
         tracker=build_tracker(cfg.get("logger") if rank0 else None, config=resolved),
         out_dir=out_dir,

@@ -9,6 +9,7 @@ A recipe is a small object with the hooks a train/sample/bench loop actually has
 * ``prepare_input(x)``  per batch (memory format of 5-D inputs);
 * ``forward_context()`` around forward + loss only (autocast), never backward/optimiser;
 * ``grad_scaler(dev)``  fp16 only;
+* ``optimizer_options()`` keyword arguments for the loop's ``torch.optim.Adam`` (fused kernel);
 * ``supported(device)`` ``(ok, reason)`` so a stack refuses an impossible recipe up front;
 * ``describe()``        JSON-able record of what was applied, logged with every result.
 
@@ -111,6 +112,10 @@ class Recipe:
     def grad_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
         """A loss scaler when the recipe needs one (fp16 autocast); default: None."""
         return None
+
+    def optimizer_options(self) -> dict[str, Any]:
+        """Keyword arguments the loop passes to ``torch.optim.Adam``; default: none."""
+        return {}
 
     def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
         """Whether the recipe can run on ``device``; ``(False, reason)`` otherwise."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,13 +30,19 @@ MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhe
 LAYOUT_OPTIMIZATION = ("auto", True, False)
 
 
-def check_mode(mode: str, layout_optimization: str | bool = "auto") -> None:
+def check_mode(mode: str, layout_optimization: str | bool = "auto", inductor: Mapping[str, Any] | None = None) -> None:
     """The one validation of the options, shared by the recipe and its functional twin."""
     if mode not in MODES:
         raise RecipeConflictError(f"compile mode must be one of {MODES}, got {mode!r}")
     if layout_optimization not in LAYOUT_OPTIMIZATION:
         raise RecipeConflictError(f"compile layout_optimization must be one of {LAYOUT_OPTIMIZATION}, "
                                   f"got {layout_optimization!r}")
+    unknown = sorted(set(inductor or {}) - set(torch._inductor.list_options()))
+    if unknown:
+        raise RecipeConflictError(f"compile inductor options {unknown} are not inductor config names "
+                                  "(torch._inductor.list_options())")
+    if "layout_optimization" in (inductor or {}):
+        raise RecipeConflictError("set compile's layout_optimization option, not inductor.layout_optimization")
 
 
 def has_channels_last_3d_weights(model: nn.Module) -> bool:
@@ -61,19 +67,22 @@ def inductor_layout_optimization(model: nn.Module, setting: str | bool) -> bool 
     return bool(setting)
 
 
-def compile_options(mode: str, backend: str, layout_optimization: bool | None) -> dict[str, Any]:
+def compile_options(mode: str, backend: str, layout_optimization: bool | None,
+                    inductor: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``torch.compile`` keyword arguments: ``mode``, or the mode's inductor options plus the
-    layout setting (``torch.compile`` refuses ``mode`` and ``options`` together)."""
-    if layout_optimization is None or backend != "inductor":
+    layout setting and any extra ``inductor`` config (``torch.compile`` refuses ``mode`` and
+    ``options`` together)."""
+    extra = {} if layout_optimization is None else {"layout_optimization": layout_optimization}
+    extra.update(inductor or {})
+    if not extra or backend != "inductor":
         return {"mode": mode}
-    options = dict(torch._inductor.list_mode_options(mode))
-    return {"options": {**options, "layout_optimization": layout_optimization}}
+    return {"options": {**torch._inductor.list_mode_options(mode), **extra}}
 
 
 def _compiled(forward: Callable[..., Any], mode: str, backend: str, layout_optimization: bool | None,
-              **options: Any) -> Callable[..., Any]:
-    compiled = torch.compile(forward, backend=backend, **compile_options(mode, backend, layout_optimization),
-                             **options)
+              inductor: Mapping[str, Any] | None, **options: Any) -> Callable[..., Any]:
+    compiled = torch.compile(forward, backend=backend,
+                             **compile_options(mode, backend, layout_optimization, inductor), **options)
     if mode != "reduce-overhead":
         return compiled
 
@@ -91,21 +100,24 @@ def _compiled(forward: Callable[..., Any], mode: str, backend: str, layout_optim
 
 def compile_model(model: nn.Module, mode: str = "default", fullgraph: bool = False,
                   dynamic: bool = False, backend: str = "inductor",
-                  layout_optimization: str | bool = "auto") -> nn.Module:
+                  layout_optimization: str | bool = "auto", inductor: Mapping[str, Any] | None = None) -> nn.Module:
     """Functional twin: compile ``model.forward`` in place and return the same module.
 
     Call it after any layout change (``to_channels_last_3d``): ``layout_optimization="auto"``
-    reads the parameters' layout now.
+    reads the parameters' layout now. ``inductor``: extra inductor config for this compile only,
+    e.g. ``{"coordinate_descent_tuning": True}``.
     """
-    check_mode(mode, layout_optimization)
-    return _install(model, mode, fullgraph, dynamic, backend, inductor_layout_optimization(model, layout_optimization))
+    check_mode(mode, layout_optimization, inductor)
+    return _install(model, mode, fullgraph, dynamic, backend, inductor_layout_optimization(model, layout_optimization),
+                    inductor)
 
 
 def _install(model: nn.Module, mode: str, fullgraph: bool, dynamic: bool, backend: str,
-             layout: bool | None) -> nn.Module:
+             layout: bool | None, inductor: Mapping[str, Any] | None) -> nn.Module:
     """Install the compiled forward, with the layout setting already resolved."""
     override_forward(model, functools.partial(_compiled, mode=mode, fullgraph=fullgraph, dynamic=dynamic,
-                                              backend=backend, layout_optimization=layout))
+                                              backend=backend, layout_optimization=layout,
+                                              inductor=dict(inductor or {})))
     return model
 
 
@@ -127,10 +139,12 @@ class Compile(Recipe):
     slow_first_call = True
 
     def __init__(self, mode: str = "default", fullgraph: bool = False, dynamic: bool = False,
-                 backend: str = "inductor", layout_optimization: str | bool = "auto") -> None:
-        check_mode(mode, layout_optimization)
+                 backend: str = "inductor", layout_optimization: str | bool = "auto",
+                 inductor: Mapping[str, Any] | None = None) -> None:
+        check_mode(mode, layout_optimization, inductor)
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self.layout_optimization = layout_optimization
+        self.inductor = dict(inductor or {})
         self.resolved_layout_optimization: bool | None = None
         self.first_call_s: float | None = None
         self.prepared_at: float | None = None
@@ -146,7 +160,7 @@ class Compile(Recipe):
         self.prepared_at = time.time()
         self.resolved_layout_optimization = inductor_layout_optimization(model, self.layout_optimization)
         return _install(model, self.mode, self.fullgraph, self.dynamic, self.backend,
-                        self.resolved_layout_optimization)
+                        self.resolved_layout_optimization, self.inductor)
 
     def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` once (normally the first forward/train step), recording its wall time.
@@ -163,7 +177,8 @@ class Compile(Recipe):
 
     def options(self) -> dict[str, Any]:
         return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic,
-                "backend": self.backend, "layout_optimization": self.layout_optimization}
+                "backend": self.backend, "layout_optimization": self.layout_optimization,
+                "inductor": dict(self.inductor)}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "first_call_s": self.first_call_s,

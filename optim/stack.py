@@ -160,6 +160,17 @@ class RecipeStack:
                 return scaler
         return torch.amp.GradScaler(device_type, enabled=False)
 
+    def optimizer_options(self) -> dict[str, Any]:
+        """Every recipe's ``torch.optim.Adam`` keyword arguments; two recipes may not set one differently."""
+        options: dict[str, tuple[Any, Recipe]] = {}
+        for recipe in self.recipes:
+            for key, value in recipe.optimizer_options().items():
+                if key in options and options[key][0] != value:
+                    raise RecipeConflictError(f"recipes {options[key][1]!r} and {recipe!r} cannot be combined: "
+                                              f"they set Adam's {key} to {options[key][0]!r} and {value!r}")
+                options[key] = value, recipe
+        return {key: value for key, (value, _) in options.items()}
+
     def finite_or_skip(self, loss: torch.Tensor) -> bool:
         """Non-finite-loss guard for the training loop; skips are counted in ``describe()``."""
         return self.guard(loss)
@@ -181,6 +192,7 @@ class RecipeStack:
             "exact": self.exact,
             "session_sets": self.session_flags(),
             "effective_flags": effective_flags(),
+            "optimizer_options": self.optimizer_options(),
             "skipped_steps": self.guard.skipped,
             "notes": list(self._notes),
         }

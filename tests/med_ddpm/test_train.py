@@ -61,6 +61,15 @@ def test_tiny_model_overfits_one_volume(tmp_path):
     assert summary["step"] == 40 and (tmp_path / "checkpoints" / "last.pt").exists()
 
 
+def test_loop_builds_adam_with_the_stacks_optimizer_options(tmp_path):
+    """recipe=[fused_adam] reaches the loop's optimiser (and only there); the default is torch's foreach Adam."""
+    assert not build(cfg_for("train", tmp_path / "plain")).optimizer.defaults["fused"]
+    job = build(cfg_for("train", tmp_path / "fused", "recipe=[fused_adam]", "train.max_steps=1", "train.grad_accum=1"))
+    assert job.optimizer.defaults["fused"] is True
+    fit(job)
+    assert job.step == 1 and all(torch.isfinite(p).all() for p in job.net.parameters())
+
+
 def test_kill_and_resume_gives_the_same_weights(tmp_path, monkeypatch):
     common = ["train.max_steps=6", "train.save_every=2", "train.ema_start=2", "train.ema_every=1",
               "train.lr=1e-3", "data.num_volumes=3"]

@@ -55,7 +55,7 @@ def train_step(stack: RecipeStack, model: torch.nn.Module, x, t, target) -> Step
     device_type = x.device.type
     with stack.session():
         model = stack.prepare_model(model)
-        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        opt = torch.optim.Adam(model.parameters(), lr=LR, **stack.optimizer_options())
         scaler = stack.grad_scaler(device_type)
         with stack.forward_context():
             out = model(stack.prepare_input(x), t)

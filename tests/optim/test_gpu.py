@@ -40,7 +40,7 @@ def test_whole_head_train_step_and_five_sampling_steps(names: list[str]) -> None
     x = torch.randn(1, 3, 128, 128, 128, device="cuda")
     with stack.session():
         model = stack.prepare_model(model)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-5, **stack.optimizer_options())
         scaler = stack.grad_scaler("cuda")
         with stack.forward_context():
             loss = F.l1_loss(model(stack.prepare_input(x), torch.tensor([10], device="cuda")).float(),

@@ -169,6 +169,26 @@ def test_compile_keeps_channels_last_3d_strides_by_switching_inductor_layout_opt
         Compile(layout_optimization="sometimes")
 
 
+def test_compile_passes_extra_inductor_config_with_the_mode_and_layout_options(monkeypatch) -> None:
+    """``inductor={...}`` (e.g. coordinate-descent tuning of the Triton kernels) joins the mode's own
+    options and the layout setting; names inductor does not know, or the layout key itself, are refused."""
+    from optim.compile import Compile, compile_model
+
+    calls: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    tuned = {"coordinate_descent_tuning": True}
+    compile_model(tiny_unet().to(memory_format=torch.channels_last_3d), mode="reduce-overhead", inductor=tuned)
+    assert calls[-1]["options"] == {**torch._inductor.list_mode_options("reduce-overhead"),
+                                    "layout_optimization": False, "coordinate_descent_tuning": True}
+    compile_model(tiny_unet(), inductor=tuned)  # NCDHW: inductor keeps its layout heuristic
+    assert calls[-1]["options"] == tuned and "mode" not in calls[-1]
+    assert Compile(inductor=tuned).describe()["inductor"] == tuned
+    with pytest.raises(ValueError, match="coordinate_descent_tunning"):
+        Compile(inductor={"coordinate_descent_tunning": True})
+    with pytest.raises(ValueError, match="layout_optimization option"):
+        compile_model(tiny_unet(), inductor={"layout_optimization": True})
+
+
 def test_cudnn_benchmark_limit_times_every_engine_and_restores() -> None:
     before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit)
     with CudnnBenchmark(limit=0).session():
