@@ -43,7 +43,7 @@ def test_fused_update_follows_foreach_over_many_steps() -> None:
         for opt in opts:
             opt.step()
     moved = max((p - q).abs().max().item() for p, q in zip(*(m.parameters() for m in models), strict=True))
-    assert 0 < moved < 1e-7 * 20, moved  # not bit-identical (another evaluation order), but float32-close
+    assert 0 < moved < 1e-6, moved  # not bit-identical (another evaluation order), but float32-close (3e-8 here)
 
 
 def test_unsupported_device_type_is_named() -> None:
