@@ -181,6 +181,8 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     fused = (*narrow, "fused_adam")
     yield ["bench=denoise_step", _recipe(narrow), both, tuned]
     yield ["bench=train_step", _recipe(fused), both]
+    # 41 aten::copy_ a step (3.1 ms, round 7) come from cuDNN making strided gradients dense inside convolution_backward
+    yield ["bench=train_step", _recipe(_with(fused, "dense_conv_grads", after="narrow_conv_gemm")), both]
     yield ["bench=train_step", _recipe(fused), both, tuned]
     yield ["bench=full_sample", "sampler=ddpm", _recipe(narrow), both, tuned, "bench.iters=3"]
     yield ["bench=train_step", _recipe(_gathered(best))]
