@@ -183,6 +183,11 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     yield ["bench=train_step", _recipe(fused), both]
     # 41 aten::copy_ a step (3.1 ms, round 7) come from cuDNN making strided gradients dense inside convolution_backward
     yield ["bench=train_step", _recipe(_with(fused, "dense_conv_grads", after="narrow_conv_gemm")), both]
+    # the NDHWC GroupNorm backward in closed form (optim/groupnorm_ndhwc.py): one reduction and one pass over (dy, x),
+    # without the float32 pre-activation autograd's form writes, when inductor keeps it inline (threshold 6)
+    closed = "recipe.fused_groupnorm.ndhwc_backward=closed_form"
+    yield ["bench=train_step", _recipe(fused), both, closed, "+recipe.compile_cudagraphs.inductor.realize_reads_threshold=6"]
+    yield ["bench=train_step", _recipe(fused), both, closed]
     yield ["bench=train_step", _recipe(fused), both, tuned]
     yield ["bench=full_sample", "sampler=ddpm", _recipe(narrow), both, tuned, "bench.iters=3"]
     yield ["bench=train_step", _recipe(_gathered(best))]

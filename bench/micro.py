@@ -1,4 +1,4 @@
-"""Kernel microbenchmarks behind three layout choices: GroupNorm32 + SiLU forms, the end convolutions, upsampling.
+"""Kernel microbenchmarks behind four choices: GroupNorm32 + SiLU forms and backwards, the end convolutions, upsampling.
 
 The whole-step profiles (``bench.profile``) say *which* kernels cost; this times the candidates
 for one of them in isolation, at the whole-head network's full-resolution shapes (batch 1, one
@@ -10,6 +10,11 @@ activation of C channels at size³), so a form can be chosen before a ladder run
   layouts. Each row has the max abs error against float32 ``F.group_norm`` and the effective
   bandwidth of one read and one write of the activation (``tb_s_rw``; the real traffic is larger:
   the statistics read it once more).
+* **GroupNorm32 + SiLU forward + backward in NDHWC** (``kinds=groupnorm_backward``): the compiled
+  NDHWC form with autograd's backward and with :mod:`optim.groupnorm_ndhwc`'s closed form, each at
+  inductor's default ``realize_reads_threshold`` and at 6 (where the closed form keeps the
+  recomputed pre-activation inline instead of writing it in float32), with dx's error against
+  float32 autograd.
 * **The network's end convolutions** in NDHWC, forward and forward + backward: 3 -> 64 (input) as
   it is, with its input channels zero-padded to 8 and as ``narrow_conv_gemm``'s im2col GEMM; 64 -> 1
   (output) as it is, as ``pad_conv_channels`` computes it (cuDNN's NDHWC kernels work in channel
@@ -23,6 +28,7 @@ Usage:
     python -m bench.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
     python -m bench.micro out=/tmp/micro size=16 compile=false     # quick check
     python -m bench.micro out=/tmp/micro kinds=conv                # only the end convolutions
+    python -m bench.micro out=/tmp/micro kinds=groupnorm_backward  # the GroupNorm backward forms
 
 Writes ``OUT/micro.json`` (env + rows) atomically; a failing case becomes a row with ``error``.
 """
@@ -49,6 +55,7 @@ from optim.fused_groupnorm import (
     group_norm_act_torch,
     triton_available,
 )
+from optim.groupnorm_ndhwc import group_norm_act_ndhwc_closed_form
 from optim.narrow_conv import form_for, gemm_conv_forward
 from optim.pad_channels import pad_dim, padded_conv_forward
 from optim.upsample import trilinear_x2_forward, trilinear_x2_reference
@@ -56,6 +63,8 @@ from optim.upsample import trilinear_x2_forward, trilinear_x2_reference
 GROUPS, EPS = 32, 1e-5
 CHANNELS = (64, 128)
 UPSAMPLE_BATCHES = (1, 2, 4)
+NDHWC_BACKWARDS = {"autograd": group_norm_act_channels_last, "closed_form": group_norm_act_ndhwc_closed_form}
+REALIZE_READS_THRESHOLDS = (None, 6)  # None: inductor's default (4)
 CL = torch.channels_last_3d
 Case = tuple[str, Callable[..., torch.Tensor], torch.Tensor]
 
@@ -70,9 +79,9 @@ def _triton(x: torch.Tensor, groups: int, w: torch.Tensor, b: torch.Tensor, eps:
     return forward_stats_triton(x, groups, w, b, eps, True)[0]
 
 
-def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _compiled(fn: Callable[..., torch.Tensor], **inductor: Any) -> Callable[..., torch.Tensor]:
     # layout optimisation off, as the compile recipe's "auto" does for NDHWC models
-    return torch.compile(fn, options={"layout_optimization": False})
+    return torch.compile(fn, options={"layout_optimization": False, **inductor})
 
 
 def groupnorm_cases(x: torch.Tensor, compile: bool) -> Iterator[Case]:
@@ -108,6 +117,36 @@ def groupnorm_rows(size: int, dtype: torch.dtype, device: torch.device, compile:
                            out_channels_last=out.is_contiguous(memory_format=CL) and not out.is_contiguous())
                 row["tb_s_rw"] = 2 * x.numel() * x.element_size() / (row["ms_median"] * 1e-3) / 1e12
             except Exception as err:  # one failing form is a row, not the end of the run
+                row["error"] = repr(err)[:300]
+            yield row
+
+
+def _gn_grads(form: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+              grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(form(x, GROUPS, w, b, EPS, True), (x, w, b), grad)
+
+
+def groupnorm_backward_rows(size: int, dtype: torch.dtype, device: torch.device, compile: bool,
+                            iters: int) -> Iterator[dict]:
+    """NDHWC GroupNorm32 + SiLU, forward + backward (dx, dw, db), per backward form and inductor threshold."""
+    gen = torch.Generator().manual_seed(0)
+    thresholds = REALIZE_READS_THRESHOLDS if compile else (None,)
+    for c in CHANNELS:
+        x = (torch.randn(1, c, size, size, size, generator=gen) * 2 + 0.5).to(device, dtype).contiguous(memory_format=CL)
+        w, b = torch.randn(c, generator=gen).to(device), torch.randn(c, generator=gen).to(device)
+        grad = torch.randn(x.shape, generator=gen).to(device, dtype).contiguous(memory_format=CL)
+        x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+        ref = _gn_grads(group_norm_act_channels_last, x.detach().float().requires_grad_(), w, b, grad.float())[0]
+        for (name, form), threshold in ((f, t) for f in NDHWC_BACKWARDS.items() for t in thresholds):
+            row: dict[str, Any] = {"kind": "groupnorm_silu_fwd_bwd", "channels": c, "backward": name,
+                                   "compiled": compile, "realize_reads_threshold": threshold}
+            try:
+                inductor = {} if threshold is None else {"realize_reads_threshold": threshold}
+                fn = _compiled(functools.partial(_gn_grads, form), **inductor) if compile else functools.partial(
+                    _gn_grads, form)
+                call = functools.partial(fn, x, w, b, grad)
+                row.update(time_ms(call, device, iters), max_abs_err=(call()[0].float() - ref).abs().max().item())
+            except Exception as err:
                 row["error"] = repr(err)[:300]
             yield row
 
@@ -181,7 +220,8 @@ def upsample_rows(size: int, dtype: torch.dtype, device: torch.device, compile: 
             yield row
 
 
-KINDS = {"groupnorm": groupnorm_rows, "conv": conv_rows, "upsample": upsample_rows}
+KINDS = {"groupnorm": groupnorm_rows, "groupnorm_backward": groupnorm_backward_rows, "conv": conv_rows,
+         "upsample": upsample_rows}
 
 
 def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30, kinds: tuple[str, ...] = tuple(KINDS)) -> Path:

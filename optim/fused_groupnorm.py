@@ -33,6 +33,10 @@ Implementations (``impl``):
 * ``"auto"``: Triton for CUDA tensors when triton imports and we are not being compiled,
   otherwise torch (so eager CPU, and anything compiled, keeps the composite).
 
+``ndhwc_backward`` picks the torch form's backward on channels-last inputs: ``"autograd"`` (what
+autograd derives from the NDHWC forward) or ``"closed_form"`` (:mod:`optim.groupnorm_ndhwc`: one
+reduction and one pointwise pass for inductor, without a float32 intermediate).
+
 Example:
     >>> fuse_groupnorm(model, impl="auto")
     {'fused_silu': 17, 'plain': 2}
@@ -52,8 +56,10 @@ from torch.autograd.function import once_differentiable
 
 from optim.base import Recipe, RecipeConflictError
 from optim.channels_last import is_only_channels_last_3d
+from optim.groupnorm_ndhwc import _acc_dtype, group_norm_act_channels_last, group_norm_act_ndhwc_closed_form
 
 IMPLS = ("auto", "triton", "torch")
+NDHWC_BACKWARDS = ("autograd", "closed_form")  # the torch form's backward on channels-last inputs
 ACTS = (None, "silu")
 BACKWARD_CHUNKS = 8  # the backward's float32 temporaries cover at most ceil(G / 8) groups at a time
 # ...but a slice is not made smaller than this many elements: small activations (low resolutions,
@@ -61,10 +67,13 @@ BACKWARD_CHUNKS = 8  # the backward's float32 temporaries cover at most ceil(G /
 MIN_CHUNK_ELEMENTS = 1 << 22
 
 
-def check_impl(impl: str) -> None:
-    """The one validation of ``impl``, shared by the recipe and its functional twin."""
+def check_impl(impl: str, ndhwc_backward: str = "autograd") -> None:
+    """The one validation of the options, shared by the recipe, its module and its functional twin."""
     if impl not in IMPLS:
         raise RecipeConflictError(f"fused_groupnorm impl must be one of {IMPLS}, got {impl!r}")
+    if ndhwc_backward not in NDHWC_BACKWARDS:
+        raise RecipeConflictError(f"fused_groupnorm ndhwc_backward must be one of {NDHWC_BACKWARDS}, "
+                                  f"got {ndhwc_backward!r}")
 
 
 @functools.cache
@@ -77,66 +86,20 @@ def triton_available() -> bool:
     return True
 
 
-def group_norm_act_channels_last(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
-                                 bias: torch.Tensor | None, eps: float, silu: bool) -> torch.Tensor:
-    """GroupNorm32 (+SiLU) of an NDHWC tensor computed in that layout and returned NDHWC.
-
-    ``native_group_norm``'s decomposition (what inductor compiles) reshapes x to (N, G, Cg·S):
-    for a channels-last input that reshape is a copy and the result is NCDHW. Here x is viewed
-    as the (N, S, C) matrix its NDHWC memory is, and the statistics come in two stages:
-
-    1. per-channel mean and biased variance over S (``var_mean`` on dim 1): a column reduction
-       of a row-major matrix, whose loads are coalesced and which inductor splits over the whole
-       GPU at batch 1. (The previous form reduced each group over an (N, S, G, Cg) view, which
-       reads Cg-element runs every C elements. On the H200 at 128³ in bf16, GroupNorm + SiLU
-       took 0.78 / 3.11 ms at 64 / 128 channels that way and takes 0.46 / 1.92 ms this way
-       (``bench.micro``); the compiled forward's GroupNorm and elementwise kernels went from
-       8.13 to 5.43 ms: bench/results/h200/tuning/.)
-    2. the Cg channel statistics of each group combined exactly, all channels having S values
-       (Chan et al.'s pairwise update): mean_g = mean_c(mean_c), var_g = mean_c(var_c) +
-       mean_c((mean_c - mean_g)²). Welford per channel, then this, has none of the cancellation
-       of E[x²] - E[x]².
-
-    Normalise, affine, cast and SiLU are then one pointwise pass, x·a_c + b_c with per-channel
-    a_c = w_c·rstd_g and b_c = bias_c - mean_g·a_c, on the (N, D, H, W, C) view, and only then is
-    it permuted back: the last op is a view, so the buffer inductor writes is NDHWC and the next
-    convolution gets a channels-last input (with ``compile``'s ``layout_optimization`` off, its
-    ``auto``). Same maths as ``F.group_norm`` (biased variance) in float32; the rounding differs
-    from it in the last bits.
-    """
-    n, c = x.shape[:2]
-    cg = c // num_groups
-    xs = x.permute(0, 2, 3, 4, 1).reshape(n, -1, c).to(_acc_dtype(x.dtype))  # (N, S, C): NDHWC memory
-    var_c, mean_c = torch.var_mean(xs, dim=1, correction=0)
-    mean_c, var_c = mean_c.view(n, num_groups, cg), var_c.view(n, num_groups, cg)
-    mean = mean_c.mean(-1, keepdim=True)
-    var = var_c.mean(-1, keepdim=True) + (mean_c - mean).square().mean(-1, keepdim=True)
-    scale = torch.rsqrt(var + eps).expand(n, num_groups, cg)
-    if weight is not None:
-        scale = scale * weight.view(num_groups, cg)
-    shift = -mean * scale
-    if bias is not None:
-        shift = shift + bias.view(num_groups, cg)
-    y = (xs * scale.reshape(n, 1, c) + shift.reshape(n, 1, c)).type(x.dtype).reshape(n, *x.shape[2:], c)
-    return (F.silu(y) if silu else y).permute(0, 4, 1, 2, 3)
-
-
 def group_norm_act_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
-                         bias: torch.Tensor | None, eps: float, silu: bool) -> torch.Tensor:
+                         bias: torch.Tensor | None, eps: float, silu: bool,
+                         ndhwc_backward: str = "autograd") -> torch.Tensor:
     """Reference maths: GroupNorm32 (fp32 statistics, cast back to x's dtype), then SiLU.
 
     NCDHW inputs take ``F.group_norm`` (bit-identical to Med-DDPM's GroupNorm32); channels-last-3D
-    inputs take :func:`group_norm_act_channels_last`, so that compiled code can stay channels-last.
+    inputs take :func:`group_norm_act_channels_last`, so that compiled code can stay channels-last,
+    with autograd's backward or (``ndhwc_backward="closed_form"``) :mod:`optim.groupnorm_ndhwc`'s.
     """
     if is_only_channels_last_3d(x):
-        return group_norm_act_channels_last(x, num_groups, weight, bias, eps, silu)
+        form = group_norm_act_ndhwc_closed_form if ndhwc_backward == "closed_form" else group_norm_act_channels_last
+        return form(x, num_groups, weight, bias, eps, silu)
     y = F.group_norm(x.float(), num_groups, weight, bias, eps).type(x.dtype)
     return F.silu(y) if silu else y
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype: float32 for float32 and narrower (GroupNorm32), float64 for float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def forward_stats_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
@@ -317,20 +280,25 @@ class FusedGroupNormAct(nn.GroupNorm):
         num_groups, num_channels, eps, affine: as ``nn.GroupNorm``.
         act: ``"silu"`` or ``None``.
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
+        ndhwc_backward: the torch form's backward on channels-last inputs, ``"autograd"`` or
+            ``"closed_form"`` (:mod:`optim.groupnorm_ndhwc`).
     """
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 act: str | None = "silu", impl: str = "auto", **factory: Any) -> None:
-        if act not in ACTS or impl not in IMPLS:
-            raise RecipeConflictError(f"FusedGroupNormAct: act must be in {ACTS} and impl in {IMPLS}, "
-                                      f"got act={act!r}, impl={impl!r}")
+                 act: str | None = "silu", impl: str = "auto", ndhwc_backward: str = "autograd",
+                 **factory: Any) -> None:
+        if act not in ACTS:
+            raise RecipeConflictError(f"FusedGroupNormAct: act must be in {ACTS}, got act={act!r}")
+        check_impl(impl, ndhwc_backward)
         super().__init__(num_groups, num_channels, eps, affine, **factory)
-        self.act, self.impl = act, impl
+        self.act, self.impl, self.ndhwc_backward = act, impl, ndhwc_backward
 
     @classmethod
-    def from_groupnorm(cls, norm: nn.GroupNorm, act: str | None, impl: str) -> FusedGroupNormAct:
+    def from_groupnorm(cls, norm: nn.GroupNorm, act: str | None, impl: str,
+                       ndhwc_backward: str = "autograd") -> FusedGroupNormAct:
         """Wrap an existing GroupNorm, sharing its Parameters (so an optimiser keeps working)."""
-        fused = cls(norm.num_groups, norm.num_channels, norm.eps, affine=False, act=act, impl=impl)
+        fused = cls(norm.num_groups, norm.num_channels, norm.eps, affine=False, act=act, impl=impl,
+                    ndhwc_backward=ndhwc_backward)
         fused.affine, fused.weight, fused.bias = norm.affine, norm.weight, norm.bias
         return fused
 
@@ -344,30 +312,30 @@ class FusedGroupNormAct(nn.GroupNorm):
         silu = self.act == "silu"
         if self.resolved_impl(x) == "triton":
             return group_norm_act_lean(x, self.num_groups, self.weight, self.bias, self.eps, silu, "triton")
-        return group_norm_act_torch(x, self.num_groups, self.weight, self.bias, self.eps, silu)
+        return group_norm_act_torch(x, self.num_groups, self.weight, self.bias, self.eps, silu, self.ndhwc_backward)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, act={self.act}, impl={self.impl}"
+        return f"{super().extra_repr()}, act={self.act}, impl={self.impl}, ndhwc_backward={self.ndhwc_backward}"
 
 
 def _is_plain_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.GroupNorm) and not isinstance(module, FusedGroupNormAct)
 
 
-def fuse_groupnorm(model: nn.Module, impl: str = "auto") -> dict[str, int]:
+def fuse_groupnorm(model: nn.Module, impl: str = "auto", ndhwc_backward: str = "autograd") -> dict[str, int]:
     """Functional twin: rewrite every GroupNorm (+ following SiLU) in place; returns counts."""
-    check_impl(impl)
+    check_impl(impl, ndhwc_backward)
     counts = {"fused_silu": 0, "plain": 0}
     for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
         for i in range(len(seq) - 1):
             if _is_plain_norm(seq[i]) and isinstance(seq[i + 1], nn.SiLU):
-                seq[i] = FusedGroupNormAct.from_groupnorm(seq[i], "silu", impl)
+                seq[i] = FusedGroupNormAct.from_groupnorm(seq[i], "silu", impl, ndhwc_backward)
                 seq[i + 1] = nn.Identity()
                 counts["fused_silu"] += 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _is_plain_norm(child):
-                setattr(parent, name, FusedGroupNormAct.from_groupnorm(child, None, impl))
+                setattr(parent, name, FusedGroupNormAct.from_groupnorm(child, None, impl, ndhwc_backward))
                 counts["plain"] += 1
     return counts
 
@@ -380,13 +348,13 @@ class FusedGroupNorm(Recipe):
     tolerance = {"rtol": 1e-5, "atol": 1e-6}
     stage = 10
 
-    def __init__(self, impl: str = "auto") -> None:
-        check_impl(impl)
-        self.impl = impl
+    def __init__(self, impl: str = "auto", ndhwc_backward: str = "autograd") -> None:
+        check_impl(impl, ndhwc_backward)
+        self.impl, self.ndhwc_backward = impl, ndhwc_backward
         self.counts: dict[str, int] = {}
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        self.counts = fuse_groupnorm(model, self.impl)
+        self.counts = fuse_groupnorm(model, self.impl, self.ndhwc_backward)
         return model
 
     def supported(self, device: Any) -> tuple[bool, str]:
@@ -395,7 +363,7 @@ class FusedGroupNorm(Recipe):
         return True, ""
 
     def options(self) -> dict[str, Any]:
-        return {"impl": self.impl}
+        return {"impl": self.impl, "ndhwc_backward": self.ndhwc_backward}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "replaced": self.counts, "triton_available": triton_available()}

@@ -31,6 +31,9 @@ def test_run_writes_rows_for_every_form_and_conv(tmp_path) -> None:
                                                       for b in micro.UPSAMPLE_BATCHES]
     assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["out_channels_last"] for r in ups)
     assert all(r["ms_per_volume"] == pytest.approx(r["ms_median"] / r["batch"]) for r in ups)
+    bwd = [r for r in record["rows"] if r["kind"] == "groupnorm_silu_fwd_bwd"]  # eager: the default threshold only
+    assert [(r["channels"], r["backward"]) for r in bwd] == [(c, f) for c in micro.CHANNELS for f in micro.NDHWC_BACKWARDS]
+    assert all("error" not in r and r["max_abs_err"] < 1e-4 and r["ms_median"] > 0 for r in bwd), bwd
 
 
 def test_kinds_selects_rows_and_rejects_unknown_ones(tmp_path) -> None:
