@@ -30,7 +30,8 @@ MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhe
 LAYOUT_OPTIMIZATION = ("auto", True, False)
 
 
-def check_mode(mode: str, layout_optimization: str | bool = "auto", inductor: Mapping[str, Any] | None = None) -> None:
+def check_mode(mode: str, layout_optimization: str | bool = "auto", inductor: Mapping[str, Any] | None = None,
+               backend: str = "inductor") -> None:
     """The one validation of the options, shared by the recipe and its functional twin."""
     if mode not in MODES:
         raise RecipeConflictError(f"compile mode must be one of {MODES}, got {mode!r}")
@@ -41,6 +42,8 @@ def check_mode(mode: str, layout_optimization: str | bool = "auto", inductor: Ma
     if unknown:
         raise RecipeConflictError(f"compile inductor options {unknown} are not inductor config names "
                                   "(torch._inductor.list_options())")
+    if inductor and backend != "inductor":
+        raise RecipeConflictError(f"compile inductor options {sorted(inductor)} need backend 'inductor', got {backend!r}")
     if "layout_optimization" in (inductor or {}):
         raise RecipeConflictError("set compile's layout_optimization option, not inductor.layout_optimization")
 
@@ -107,7 +110,7 @@ def compile_model(model: nn.Module, mode: str = "default", fullgraph: bool = Fal
     reads the parameters' layout now. ``inductor``: extra inductor config for this compile only,
     e.g. ``{"coordinate_descent_tuning": True}``.
     """
-    check_mode(mode, layout_optimization, inductor)
+    check_mode(mode, layout_optimization, inductor, backend)
     return _install(model, mode, fullgraph, dynamic, backend, inductor_layout_optimization(model, layout_optimization),
                     inductor)
 
@@ -141,7 +144,7 @@ class Compile(Recipe):
     def __init__(self, mode: str = "default", fullgraph: bool = False, dynamic: bool = False,
                  backend: str = "inductor", layout_optimization: str | bool = "auto",
                  inductor: Mapping[str, Any] | None = None) -> None:
-        check_mode(mode, layout_optimization, inductor)
+        check_mode(mode, layout_optimization, inductor, backend)
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self.layout_optimization = layout_optimization
         self.inductor = dict(inductor or {})

@@ -187,6 +187,8 @@ def test_compile_passes_extra_inductor_config_with_the_mode_and_layout_options(m
         Compile(inductor={"coordinate_descent_tunning": True})
     with pytest.raises(ValueError, match="layout_optimization option"):
         compile_model(tiny_unet(), inductor={"layout_optimization": True})
+    with pytest.raises(ValueError, match="need backend 'inductor'"):
+        Compile(backend="eager", inductor=tuned)
 
 
 def test_cudnn_benchmark_limit_times_every_engine_and_restores() -> None:
