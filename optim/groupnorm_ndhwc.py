@@ -105,8 +105,8 @@ def _forward(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias
     xs = _as_matrix(x)
     mean, rstd = group_stats(xs, num_groups, eps)
     scale, shift = affine(mean, rstd, weight, bias, x.shape[1])
-    y = xs * scale + shift
-    return _as_volume(F.silu(y) if silu else y, x), mean, rstd
+    y = _as_volume(xs * scale + shift, x)  # cast before SiLU, as Med-DDPM's GroupNorm32 + SiLU
+    return (F.silu(y) if silu else y), mean, rstd
 
 
 def group_norm_act_backward_ndhwc(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
