@@ -72,7 +72,8 @@ def test_recipe_option_reaches_every_norm_and_the_step_matches_autograds() -> No
 
 
 def _full_size_float32_buffers(fn, c: int, monkeypatch) -> int:
-    """Full-size float32 buffers in inductor's compiled backward of ``fn`` (CPU code, GPU reuse rule)."""
+    """Full-size float32 buffers in inductor's compiled backward of ``fn`` (CPU code, GPU reuse rule,
+    realize_reads_threshold 6)."""
     import torch._inductor.ir as ir
     from torch._inductor.utils import run_and_get_code
 
@@ -86,7 +87,7 @@ def _full_size_float32_buffers(fn, c: int, monkeypatch) -> int:
         return torch.autograd.grad(fn(x, 32, w, b, 1e-5, True), (x, w, b), dy)
 
     torch.compiler.reset()
-    _, codes = run_and_get_code(torch.compile(step), x, w, b, dy)
+    _, codes = run_and_get_code(torch.compile(step, options={"realize_reads_threshold": 6}), x, w, b, dy)
     torch.compiler.reset()
     found = re.findall(r"empty_strided_cpu\(\((.*?)\), \(.*?\), torch\.float32\)", "\n".join(codes))
     return sum(math.prod(int(v) for v in shape.replace(" ", "").split(",") if v) >= x.numel() for shape in found)
@@ -96,8 +97,5 @@ def test_compiled_closed_form_backward_writes_no_full_size_float32_buffer(monkey
     """With inductor's realize_reads_threshold at 6 (compile's ``inductor`` option), the closed form
     compiles to a reduction and a pointwise pass with no float32 intermediate; autograd's form
     writes one (the recomputed pre-activation, 128 channels) whatever the threshold."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "realize_reads_threshold", 6)
     assert _full_size_float32_buffers(group_norm_act_channels_last, 128, monkeypatch) >= 1
     assert _full_size_float32_buffers(group_norm_act_ndhwc_closed_form, 128, monkeypatch) == 0
