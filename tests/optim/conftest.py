@@ -9,6 +9,8 @@ unscale -> (record grads) -> scaler.step -> update.
 from __future__ import annotations
 
 import copy
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +111,11 @@ def output_and_grads(net: torch.nn.Module, x, t, target) -> tuple[torch.Tensor, 
     y = net(x, t)
     F.l1_loss(y, target).backward()
     return y, [p.grad for p in net.parameters()]
+
+
+def float32_buffers(codes: list[str], device: str, at_least: int) -> list[str]:
+    """Shapes of the float32 buffers of ``at_least`` elements or more that inductor's generated
+    ``codes`` allocate on ``device`` ("cpu" or "cuda"): the intermediates a compiled graph writes."""
+    shapes = re.findall(rf"empty_strided_{device}\(\((.*?)\), \(.*?\), torch\.float32\)", "\n".join(codes))
+    return [s for s in shapes if math.prod(int(v) for v in s.replace(" ", "").split(",") if v) >= at_least]
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RECIPE_DIR, tiny_batch, tiny_unet, train_step
+from conftest import RECIPE_DIR, float32_buffers, tiny_batch, tiny_unet, train_step
 from omegaconf import OmegaConf
 
 from med_ddpm.model import UNet3D
@@ -255,9 +255,6 @@ def test_groupnorm_closed_form_backward_compiles_without_a_float32_intermediate(
     """bf16 NDHWC GroupNorm + SiLU, 128 channels at 32³, compiled with realize_reads_threshold 6: the
     closed-form backward allocates no full-size float32 buffer (autograd's form did on the CPU), and its
     gradients match autograd's."""
-    import math
-    import re
-
     from torch._inductor.utils import run_and_get_code
 
     from optim.groupnorm_ndhwc import group_norm_act_channels_last, group_norm_act_ndhwc_closed_form
@@ -274,8 +271,7 @@ def test_groupnorm_closed_form_backward_compiles_without_a_float32_intermediate(
         torch.compiler.reset()
         compiled = torch.compile(step, options={"layout_optimization": False, "realize_reads_threshold": 6})
         grads[name], codes = run_and_get_code(compiled, *(t.requires_grad_() for t in (x, w, b)), dy)
-        shapes = re.findall(r"empty_strided_cuda\(\((.*?)\), \(.*?\), torch\.float32\)", "\n".join(codes))
-        found[name] = [s for s in shapes if math.prod(int(v) for v in s.replace(" ", "").split(",") if v) >= x.numel()]
+        found[name] = float32_buffers(codes, "cuda", x.numel())
     torch.compiler.reset()
     assert not found["closed_form"], found
     for ref, new in zip(grads["autograd"], grads["closed_form"], strict=True):

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-import re
-
 import pytest
 import torch
-from conftest import tiny_batch, tiny_unet, train_step
+from conftest import float32_buffers, tiny_batch, tiny_unet, train_step
 
 from optim import ChannelsLast3d, FusedGroupNorm, RecipeConflictError, RecipeStack
 from optim.groupnorm_ndhwc import group_norm_act_channels_last, group_norm_act_ndhwc_closed_form
@@ -89,8 +86,7 @@ def _full_size_float32_buffers(fn, c: int, monkeypatch) -> int:
     torch.compiler.reset()
     _, codes = run_and_get_code(torch.compile(step, options={"realize_reads_threshold": 6}), x, w, b, dy)
     torch.compiler.reset()
-    found = re.findall(r"empty_strided_cpu\(\((.*?)\), \(.*?\), torch\.float32\)", "\n".join(codes))
-    return sum(math.prod(int(v) for v in shape.replace(" ", "").split(",") if v) >= x.numel() for shape in found)
+    return len(float32_buffers(codes, "cpu", x.numel()))
 
 
 def test_compiled_closed_form_backward_writes_no_full_size_float32_buffer(monkeypatch) -> None:
