@@ -119,7 +119,8 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     cfg = compose_cfg("train", ["experiment=fast_train", "output_dir=/tmp/x"])
     recipes = {r.name: r for r in RecipeStack.from_config(cfg.recipe).recipes}
     names = list(recipes)
-    assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "compile"} <= set(names)
+    assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "dense_conv_grads",
+            "compile"} <= set(names)
     assert recipes["gather_upsample"].forward == "gather" and recipes["narrow_conv_gemm"].forms == ("col2im",)
     assert RecipeStack.from_config(cfg.recipe).optimizer_options() == {"fused": True}
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")
