@@ -10,6 +10,8 @@ A recipe is a small object with the hooks a train/sample/bench loop actually has
 * ``forward_context()`` around forward + loss only (autocast), never backward/optimiser;
 * ``grad_scaler(dev)``  fp16 only;
 * ``optimizer_options()`` keyword arguments for the loop's ``torch.optim.Adam`` (fused kernel);
+* ``inductor_options()`` inductor config the recipe needs from the stack's ``compile`` (a kernel form
+                          that pays off only under one inductor setting asks for it here);
 * ``supported(device)`` ``(ok, reason)`` so a stack refuses an impossible recipe up front;
 * ``describe()``        JSON-able record of what was applied, logged with every result.
 
@@ -115,6 +117,10 @@ class Recipe:
 
     def optimizer_options(self) -> dict[str, Any]:
         """Keyword arguments the loop passes to ``torch.optim.Adam``; default: none."""
+        return {}
+
+    def inductor_options(self) -> dict[str, Any]:
+        """Inductor config for the stack's ``compile`` (its own ``inductor`` option wins); default: none."""
         return {}
 
     def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:

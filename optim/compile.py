@@ -148,6 +148,7 @@ class Compile(Recipe):
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self.layout_optimization = layout_optimization
         self.inductor = dict(inductor or {})
+        self.requested: dict[str, Any] = {}
         self.resolved_layout_optimization: bool | None = None
         self.first_call_s: float | None = None
         self.prepared_at: float | None = None
@@ -163,7 +164,16 @@ class Compile(Recipe):
         self.prepared_at = time.time()
         self.resolved_layout_optimization = inductor_layout_optimization(model, self.layout_optimization)
         return _install(model, self.mode, self.fullgraph, self.dynamic, self.backend,
-                        self.resolved_layout_optimization, self.inductor)
+                        self.resolved_layout_optimization, self.effective_inductor())
+
+    def request_inductor(self, requests: Mapping[str, Any]) -> None:
+        """Other recipes' inductor config (``RecipeStack`` hands it over); ignored by other backends."""
+        self.requested = dict(requests) if self.backend == "inductor" else {}
+        check_mode(self.mode, self.layout_optimization, self.effective_inductor(), self.backend)
+
+    def effective_inductor(self) -> dict[str, Any]:
+        """The requested config overlaid by this recipe's own ``inductor`` option (the user's word wins)."""
+        return {**self.requested, **self.inductor}
 
     def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` once (normally the first forward/train step), recording its wall time.
@@ -185,4 +195,5 @@ class Compile(Recipe):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "first_call_s": self.first_call_s,
-                "inductor_layout_optimization": self.resolved_layout_optimization}
+                "inductor_layout_optimization": self.resolved_layout_optimization,
+                "inductor_effective": self.effective_inductor()}

@@ -362,6 +362,12 @@ class FusedGroupNorm(Recipe):
             return False, "fused_groupnorm impl=triton needs the triton package (not installed here)"
         return True, ""
 
+    def inductor_options(self) -> dict[str, Any]:
+        """The closed form reads five buffers, so inductor's default ``realize_reads_threshold`` (4) writes its
+        recomputed pre-activation out in float32; at 6 it stays inline (-3.2 ms a train step on the H200, no gain
+        without it: round 11 of bench/results/h200/tuning/README.md)."""
+        return {"realize_reads_threshold": 6} if self.ndhwc_backward == "closed_form" else {}
+
     def options(self) -> dict[str, Any]:
         return {"impl": self.impl, "ndhwc_backward": self.ndhwc_backward}
 

@@ -16,8 +16,9 @@ pointwise pass over (dy, x) → dx, recomputing y and the SiLU gradient inside e
 over bf16 tensors and no float32 one. Whether inductor keeps y inline depends on its
 realize-on-reuse heuristic: a reused pointwise value is written out when it reads more than
 ``realize_reads_threshold`` (4) buffers, and y reads x, the group mean and rstd, the weight and
-the bias. So it is inline with ``compile``'s ``inductor: {realize_reads_threshold: 6}``;
-with the default, y is written once in float32 (one buffer, where the autograd form writes one
+the bias. So it is inline at ``realize_reads_threshold`` 6, which the ``fused_groupnorm`` recipe
+asks the stack's ``compile`` for (``Recipe.inductor_options``; ``compile``'s own ``inductor`` option
+wins); with the default, y is written once in float32 (one buffer, where the autograd form writes one
 or two). ``tests/optim/test_groupnorm_ndhwc.py`` checks the generated code on the CPU, and the GPU test
 ``test_groupnorm_closed_form_backward_compiles_without_a_float32_intermediate`` on CUDA.
 """

@@ -55,6 +55,18 @@ def _conflicts(recipes: list[Recipe]) -> None:
             "'max-autotune' with cuda_graphs, or drop cuda_graphs")
 
 
+def _merged(recipes: list[Recipe], hook: str, whose: str) -> dict[str, Any]:
+    """Union of every recipe's ``hook()`` dict; two recipes that set one key differently are refused."""
+    options: dict[str, tuple[Any, Recipe]] = {}
+    for recipe in recipes:
+        for key, value in getattr(recipe, hook)().items():
+            if key in options and options[key][0] != value:
+                raise RecipeConflictError(f"recipes {options[key][1]!r} and {recipe!r} cannot be combined: "
+                                          f"they set {whose} {key} to {options[key][0]!r} and {value!r}")
+            options[key] = value, recipe
+    return {key: value for key, (value, _) in options.items()}
+
+
 class RecipeStack:
     """An ordered, validated list of recipes with the :class:`optim.Recipe` hooks composed.
 
@@ -69,6 +81,10 @@ class RecipeStack:
             raise TypeError(f"RecipeStack takes optim.Recipe instances, got {bad!r}")
         _conflicts(recipes)
         self.recipes: list[Recipe] = sorted(recipes, key=lambda r: r.stage)
+        requests = self.inductor_options()
+        for r in self.recipes:
+            if isinstance(r, Compile):
+                r.request_inductor(requests)
         self.guard = NonFiniteGuard()
         self._notes: list[str] = []
         if any(isinstance(r, Compile) for r in self.recipes):
@@ -162,14 +178,11 @@ class RecipeStack:
 
     def optimizer_options(self) -> dict[str, Any]:
         """Every recipe's ``torch.optim.Adam`` keyword arguments; two recipes may not set one differently."""
-        options: dict[str, tuple[Any, Recipe]] = {}
-        for recipe in self.recipes:
-            for key, value in recipe.optimizer_options().items():
-                if key in options and options[key][0] != value:
-                    raise RecipeConflictError(f"recipes {options[key][1]!r} and {recipe!r} cannot be combined: "
-                                              f"they set Adam's {key} to {options[key][0]!r} and {value!r}")
-                options[key] = value, recipe
-        return {key: value for key, (value, _) in options.items()}
+        return _merged(self.recipes, "optimizer_options", "Adam's")
+
+    def inductor_options(self) -> dict[str, Any]:
+        """Every recipe's requested inductor config (what the stack hands to its ``compile`` recipes)."""
+        return _merged(self.recipes, "inductor_options", "inductor's")
 
     def finite_or_skip(self, loss: torch.Tensor) -> bool:
         """Non-finite-loss guard for the training loop; skips are counted in ``describe()``."""

@@ -13,7 +13,9 @@ from optim import (
     AttentionCore,
     ChannelsLast3d,
     CudnnBenchmark,
+    FusedGroupNorm,
     FusedGroupNormAct,
+    RecipeStack,
     SdpaAttentionCore,
     apply_checkpointing,
     fuse_groupnorm,
@@ -189,6 +191,37 @@ def test_compile_passes_extra_inductor_config_with_the_mode_and_layout_options(m
         compile_model(tiny_unet(), inductor={"layout_optimization": True})
     with pytest.raises(ValueError, match="need backend 'inductor'"):
         Compile(backend="eager", inductor=tuned)
+
+
+def test_closed_form_groupnorm_asks_the_stacks_compile_for_its_inductor_threshold(monkeypatch) -> None:
+    """``fused_groupnorm(ndhwc_backward=closed_form)`` pays off only at ``realize_reads_threshold`` 6 (round 11):
+    the stack hands that to every compile recipe, the compile's own ``inductor`` option wins, other backends
+    ignore it, and two recipes asking for different values are refused."""
+    from optim.base import Recipe
+    from optim.compile import Compile
+
+    calls: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    closed = FusedGroupNorm(ndhwc_backward="closed_form")
+    stack = RecipeStack([Compile(mode="reduce-overhead"), closed])
+    assert stack.inductor_options() == {"realize_reads_threshold": 6}
+    stack.prepare_model(tiny_unet())
+    assert calls[-1]["options"]["realize_reads_threshold"] == 6
+    assert stack.describe()["recipes"][-1]["inductor_effective"] == {"realize_reads_threshold": 6}
+    assert RecipeStack([Compile(), FusedGroupNorm()]).recipes[-1].effective_inductor() == {}
+    own = Compile(inductor={"realize_reads_threshold": 4})
+    assert RecipeStack([own, closed]).recipes[-1].effective_inductor() == {"realize_reads_threshold": 4}
+    assert RecipeStack([Compile(backend="aot_eager"), closed]).recipes[-1].effective_inductor() == {}
+
+    class _Threshold8(Recipe):
+        name = "threshold8"
+        exact = True
+
+        def inductor_options(self) -> dict:
+            return {"realize_reads_threshold": 8}
+
+    with pytest.raises(ValueError, match="they set inductor's realize_reads_threshold to (8 and 6|6 and 8)"):
+        RecipeStack([closed, _Threshold8(), Compile()])
 
 
 def test_cudnn_benchmark_limit_times_every_engine_and_restores() -> None:
