@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from med_ddpm.model import UNet3D
 from med_ddpm.quality import randomize_zero_init
@@ -27,6 +28,11 @@ RECIPE_DIR = REPO / "configs" / "recipe"
 TINY = dict(in_channels=3, out_channels=1, model_channels=32, channel_mult=(1, 2), num_res_blocks=1,
             attention_ds=(2,), num_heads=1, dropout=0.0)
 LR = 1e-3
+
+
+def stack_of(names: list[str] | tuple[str, ...]) -> RecipeStack:
+    """The stack ``recipe=[names]`` composes, from the real recipe configs."""
+    return RecipeStack.from_config(OmegaConf.merge(*(OmegaConf.load(RECIPE_DIR / f"{n}.yaml") for n in names)))
 
 
 @dataclass

@@ -5,12 +5,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import RECIPE_DIR, tiny_unet
+from conftest import stack_of, tiny_unet
 from functorch.compile import aot_module_simplified, make_boxed_func
-from omegaconf import OmegaConf
 from torch import nn
 
-from optim import DenseConvGrads, RecipeStack, use_dense_conv_grads
+from optim import DenseConvGrads, use_dense_conv_grads
 from optim.dense_conv_grads import DenseGrad, conv_memory_format
 
 CL = torch.channels_last_3d
@@ -53,7 +52,7 @@ def _strided_conv_operands(extra: list[str]) -> tuple[list[tuple[str, int]], int
                                      bw_compiler=keep)
 
     names = ["amp_bf16", "channels_last_3d", "fused_groupnorm", "gather_upsample", *extra]
-    stack = RecipeStack.from_config(OmegaConf.merge(*(OmegaConf.load(RECIPE_DIR / f"{n}.yaml") for n in names)))
+    stack = stack_of(names)
     with stack.session():
         model = stack.prepare_model(tiny_unet(channel_mult=(1, 1, 2), attention_ds=(4,)))
         x = stack.prepare_input(torch.randn(1, 3, 16, 16, 16))

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RECIPE_DIR, float32_buffers, tiny_batch, tiny_unet, train_step
-from omegaconf import OmegaConf
+from conftest import RECIPE_DIR, float32_buffers, stack_of, tiny_batch, tiny_unet, train_step
 
 from med_ddpm.model import UNet3D
 from optim import RecipeStack
@@ -19,10 +18,6 @@ WHOLE_HEAD = dict(in_channels=3, out_channels=1, model_channels=64, channel_mult
 COMBOS = [["tf32", "channels_last_3d"], ["amp_bf16", "channels_last_3d"], ["amp_bf16", "compile"],
           ["amp_bf16", "compile", "cuda_graphs"], ["amp_bf16", "fused_groupnorm", "sdpa_attention"]]
 SETS = [[p.stem] for p in sorted(RECIPE_DIR.glob("*.yaml"))] + COMBOS
-
-
-def stack_of(names: list[str]) -> RecipeStack:
-    return RecipeStack.from_config(OmegaConf.merge(*(OmegaConf.load(RECIPE_DIR / f"{n}.yaml") for n in names)))
 
 
 @pytest.fixture(autouse=True)

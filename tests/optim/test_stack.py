@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import RECIPE_DIR
-from omegaconf import OmegaConf
+from conftest import stack_of
 
 from optim import (
     Amp,
@@ -83,8 +82,7 @@ def test_session_restores_when_body_raises() -> None:
 
 def test_from_config_empty_and_multi_select() -> None:
     assert RecipeStack.from_config(None).recipes == [] == RecipeStack.from_config({}).recipes
-    node = OmegaConf.merge(*(OmegaConf.load(RECIPE_DIR / f"{n}.yaml") for n in ("compile", "tf32", "amp_bf16")))
-    assert RecipeStack.from_config(node).names == ["tf32", "amp", "compile"]
+    assert stack_of(("compile", "tf32", "amp_bf16")).names == ["tf32", "amp", "compile"]
     with pytest.raises(RecipeConflictError, match="no _target_"):
         RecipeStack.from_config({"tf32": {"conv": True}})
 
