@@ -74,7 +74,7 @@ def test_compiled_backward_graph_has_no_strided_convolution_gradient() -> None:
     """The traced training graph (AOT autograd, what inductor compiles): without the recipe some
     convolution_backward calls get strided gradients (cuDNN would copy them inside the call); with it none.
     What stays strided is the input of the attention's 1-D output projection, a (B, C, T) view of SDPA's
-    token-major output: the copies the GPU test still counts with the recipe (5 of 28 on the H200)."""
+    token-major output: 4 of the 5 copies the GPU test still counts with the recipe (of 28 without, on the H200)."""
     before, total = _strided_conv_operands([])
     after, total_after = _strided_conv_operands(["dense_conv_grads"])
     assert total == total_after > 0

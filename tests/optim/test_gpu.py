@@ -225,8 +225,8 @@ def _copies_under_conv_backward(fn) -> int:
 def test_dense_conv_grads_moves_the_gradient_copies_out_of_compiled_convolution_backward() -> None:
     """The compiled channels-last bf16 train step of the tiny U-Net at 32³: the recipe moves most of the copies
     cuDNN's convolution backward makes out of the call (28 -> 5 on the H200, 2026-12-03), and the gradients are
-    unchanged. The rest copy inputs, not gradients: the attention's output projection gets a (B, C, T) view of
-    SDPA's token-major output (the CPU test names those operands)."""
+    unchanged. In the CPU trace of this step 4 of the 5 left copy inputs, not gradients: the attention's output
+    projection gets a (B, C, T) view of SDPA's token-major output (the CPU test names those operands)."""
     x, t, _ = tiny_batch(size=32, batch=1, device="cuda")
     copies, grads = [], []
     for extra in ([], ["dense_conv_grads"]):
