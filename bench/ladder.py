@@ -188,7 +188,7 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
     # measured it at inductor's default too: no gain, so the recipe now asks compile for 6 itself)
     closed = "recipe.fused_groupnorm.ndhwc_backward=closed_form"
     yield ["bench=train_step", _recipe(fused), both, closed, "+recipe.compile_cudagraphs.inductor.realize_reads_threshold=6"]
-    # round 11: each of the two above alone is faster (-2.4 and -3.2 ms side by side); together, not measured yet
+    # round 11: each of the two above alone is faster (-2.4 and -3.2 ms); round 12: together -3.4 ms (= experiment=fast_train)
     yield ["bench=train_step", _recipe(_with(fused, "dense_conv_grads", after="narrow_conv_gemm")), both, closed]
     yield ["bench=train_step", _recipe(fused), both, tuned]
     yield ["bench=full_sample", "sampler=ddpm", _recipe(narrow), both, tuned, "bench.iters=3"]

@@ -44,7 +44,9 @@ from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
 Step = Callable[[], torch.Tensor]
+Parts = tuple[nn.Module, NoiseSchedule, RecipeStack, torch.Tensor, torch.Tensor]  # model, schedule, stack, x0, cond
 ADAM_LR = 1e-5  # Med-DDPM's training learning rate
+READ_LOSS = ("before_backward", "after_backward")  # where the train step's guard waits for the loss
 COMPILING_RECIPES = ("compile", "cuda_graphs")  # first call captures/compiles: reported as compile_s
 
 
@@ -68,11 +70,16 @@ def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed:
 
 
 def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
-                cond: torch.Tensor, cfg: Mapping) -> Step:
+                cond: torch.Tensor, cfg: Mapping, read_loss: str = "before_backward") -> Step:
     """Forward + loss under forward_context, then guard, backward and Adam (as ``med_ddpm.train``).
 
     The scaler is a disabled pass-through unless the stack has fp16 autocast (one code path).
+    ``read_loss`` is where the guard waits for the loss: ``before_backward`` as the loop does, or
+    ``after_backward`` (the loop until round 12; :mod:`bench.guard_order` times the two).
     """
+    if read_loss not in READ_LOSS:
+        raise ValueError(f"read_loss must be one of {READ_LOSS}, got {read_loss!r}")
+    late = read_loss == "after_backward"
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR, **stack.optimizer_options())
     scaler = stack.grad_scaler(x0.device.type)
@@ -83,8 +90,11 @@ def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x
         optimizer.zero_grad(set_to_none=True)
         with stack.forward_context():
             loss = diffusion_loss(model, schedule, x0, cond, loss_type=loss_type, generator=gen)
-        if stack.finite_or_skip(loss):  # the loop's guard: a NaN step must not touch the weights
+        if late:
             scaler.scale(loss).backward()
+        if stack.finite_or_skip(loss):  # the loop's guard: a NaN step must not touch the weights
+            if not late:
+                scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
         return loss.detach()
@@ -163,8 +173,8 @@ def _check_finite(out: torch.Tensor, when: str) -> None:
 
 
 @contextlib.contextmanager
-def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, RecipeStack]]:
-    """Inside the stack's session: the model, inputs and step of ``cfg``'s scenario, ready to call.
+def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
+    """Inside the stack's session: the prepared model, schedule, stack and inputs of ``cfg``.
 
     Raises:
         UnsupportedStack: a recipe cannot run on ``device``.
@@ -182,8 +192,14 @@ def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, Re
         model = stack.prepare_model(net.to(device))
         schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
-        x0, cond = stack.prepare_input(x0), stack.prepare_input(cond)
-        yield SCENARIOS[bench["scenario"]](model, schedule, stack, x0, cond, cfg), stack
+        yield model, schedule, stack, stack.prepare_input(x0), stack.prepare_input(cond)
+
+
+@contextlib.contextmanager
+def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, RecipeStack]]:
+    """Inside the stack's session: the step of ``cfg``'s scenario, ready to call, and its stack."""
+    with prepared_parts(cfg, device) as (model, schedule, stack, x0, cond):
+        yield SCENARIOS[cfg["bench"]["scenario"]](model, schedule, stack, x0, cond, cfg), stack
 
 
 def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step], Step] | None = None) -> dict[str, Any]:

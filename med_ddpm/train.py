@@ -21,6 +21,7 @@ checkpoints and previews happen on rank 0; the logged loss is the mean over rank
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -270,15 +271,23 @@ def draw_t_noise(job: Job, x: torch.Tensor, first: int) -> tuple[torch.Tensor, t
 def train_step(job: Job, batches: Iterator[dict]) -> float:
     """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss over ranks (NaN if skipped).
 
-    Gradients are all-reduced once, on the last micro-step (``no_sync`` before it). The loss is read
-    back once per step; a non-finite mean on any rank skips the step on every rank, counted once.
+    Each micro-batch's loss is averaged over ranks and read back *before* its backward, so a
+    non-finite one is caught before it has a gradient: the step's remaining backwards and its
+    update are skipped on every rank, counted once by the stack's guard (the remaining batches
+    are still drawn: the data stream stays at step × grad_accum, as resume expects). Before
+    backward is also the cheaper place to wait for the loss: in the graphed H200 step the host
+    queues Adam and the next forward while the backward runs, instead of after it (round 12 A/B
+    of the bench step, ``bench/guard_order.py``: 56.9 against 59.7 ms). Gradients are
+    all-reduced once, on the last micro-step (``no_sync`` before it).
     """
     cfg = job.cfg.train
     world = distributed.world_size()
     job.optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=job.device)
+    losses: list[float] = []
     for micro in range(cfg.grad_accum):
         batch = next(batches)
+        if not math.isfinite(sum(losses)):
+            continue
         x = job.stack.prepare_input(batch["image"].to(job.device, non_blocking=True))
         cond = job.stack.prepare_input(batch["cond"].to(job.device, non_blocking=True))
         t, noise = draw_t_noise(job, x, first=(job.step * cfg.grad_accum + micro) * cfg.batch_size * world)
@@ -288,10 +297,11 @@ def train_step(job: Job, batches: Iterator[dict]) -> float:
                                       loss_type=job.cfg.diffusion.loss_type)
             if cfg.divide_loss_by_batch_size:  # Med-DDPM's trainer: loss.sum() / batch_size of a mean
                 loss = loss / (x.shape[0] * world)  # the global batch: N ranks of b == one rank of N·b
-            job.scaler.scale(loss / cfg.grad_accum).backward()
-        total += loss.detach().float() / cfg.grad_accum
-    mean = distributed.mean_over_ranks(total.item(), job.device)
-    if not job.stack.finite_or_skip(torch.tensor(mean)):  # a NaN's gradient is in every rank's mean
+            losses.append(distributed.mean_over_ranks(loss.item(), job.device))  # NaN on any rank: NaN on all
+            if math.isfinite(losses[-1]):
+                job.scaler.scale(loss / cfg.grad_accum).backward()
+    mean = sum(losses) / cfg.grad_accum
+    if not job.stack.finite_or_skip(torch.tensor(mean)):
         return float("nan")
     job.scaler.step(job.optimizer)
     job.scaler.update()

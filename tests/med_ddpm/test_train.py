@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import nibabel as nib
@@ -68,6 +69,36 @@ def test_loop_builds_adam_with_the_stacks_optimizer_options(tmp_path):
     assert job.optimizer.defaults["fused"] is True
     fit(job)
     assert job.step == 1 and all(torch.isfinite(p).all() for p in job.net.parameters())
+
+
+def test_a_non_finite_loss_skips_backward_and_update(tmp_path, monkeypatch):
+    """A NaN loss on the first of two micro-batches: no backward (no gradient exists), no Adam update, the
+    second micro-batch still drawn but not forwarded, the skip counted once; the next step trains."""
+    job = build(cfg_for("train", tmp_path, "train.grad_accum=2", "data.num_volumes=2"))
+    job.model = job.net
+    real_loss, calls, drawn = train_mod.diffusion_loss, [], []
+
+    def nan_on_first_call(*args, **kwargs):
+        calls.append(1)
+        loss = real_loss(*args, **kwargs)
+        return loss * float("nan") if len(calls) == 1 else loss
+
+    def batches():
+        while True:
+            item = job.dataset[len(drawn) % len(job.dataset)]
+            drawn.append(1)
+            yield {"image": item["image"][None], "cond": item["cond"][None]}
+
+    monkeypatch.setattr(train_mod, "diffusion_loss", nan_on_first_call)
+    stream, before = batches(), {k: v.clone() for k, v in job.net.state_dict().items()}
+    assert math.isnan(train_mod.train_step(job, stream))
+    assert (len(drawn), len(calls)) == (2, 1)
+    assert all(p.grad is None for p in job.net.parameters()) and not job.optimizer.state
+    assert all(torch.equal(v, job.net.state_dict()[k]) for k, v in before.items())
+    assert job.stack.guard.skipped == 1
+    assert math.isfinite(train_mod.train_step(job, stream))
+    assert (len(drawn), len(calls), job.stack.guard.skipped) == (4, 3, 1) and job.optimizer.state
+    assert not all(torch.equal(v, job.net.state_dict()[k]) for k, v in before.items())
 
 
 def test_kill_and_resume_gives_the_same_weights(tmp_path, monkeypatch):

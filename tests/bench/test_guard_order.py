@@ -1,0 +1,59 @@
+"""bench.guard_order on the tiny CPU model: both read_loss variants timed on one model, one JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from bench import guard_order
+from bench.scenarios import READ_LOSS, SCENARIOS
+from med_ddpm.diffusion import NoiseSchedule
+from optim import RecipeStack
+
+SMOKE = ["experiment=bench_smoke", "bench=train_step"]
+
+
+def test_guard_order_times_both_variants_interleaved(tmp_path):
+    guard_order.main(["--out", str(tmp_path), "--blocks", "2", "--iters", "2", "--warmup", "0", *SMOKE])
+    result = json.loads((tmp_path / guard_order.RESULT_FILE).read_text())
+    assert set(result["variants"]) == set(READ_LOSS) and result["overrides"] == SMOKE
+    for timings in result["variants"].values():
+        assert len(timings["samples"]) == 4 and len(timings["block_medians_ms"]) == 2
+        assert timings["p10"] <= timings["median"] <= timings["p90"]
+    assert result["describe"]["skipped_steps"] == 0 and result["env"]["device"] == "cpu"
+
+
+def test_guard_order_refuses_another_scenario(tmp_path):
+    with pytest.raises(SystemExit, match="denoise_step"):
+        guard_order.main(["--out", str(tmp_path), "experiment=bench_smoke", "bench=denoise_step"])
+
+
+class EpsConv(nn.Module):
+    """The smallest ε-network: cat[x_t, mask] -> ε, ignoring t."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("read_loss", READ_LOSS)
+def test_both_orders_skip_a_nan_step_without_touching_the_weights(read_loss):
+    """A NaN input: either variant's guard skips Adam, so the weights stay bit-identical."""
+    net = EpsConv()
+    before = [p.detach().clone() for p in net.parameters()]
+    x0, stack = torch.full((1, 1, 4, 4, 4), float("nan")), RecipeStack()
+    step = SCENARIOS["train_step"](net, NoiseSchedule.from_config({"timesteps": 10}), stack, x0,
+                                   torch.zeros_like(x0), {"seed": 0, "diffusion": {}}, read_loss)
+    assert torch.isnan(step())
+    assert stack.guard.skipped == 1 and all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_an_unknown_read_loss_is_refused():
+    with pytest.raises(ValueError, match="read_loss"):
+        SCENARIOS["train_step"](None, None, None, torch.zeros(1), None, {}, "sometime")
