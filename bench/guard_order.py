@@ -1,4 +1,4 @@
-"""Where the training step waits for its loss: before backward (the loop since round 12) or after it.
+"""Where the training step waits for its loss: before backward (the loop since round 12), after it, or never.
 
 The loop's non-finite guard reads the loss back to the host once a step (a NaN step must not touch
 the weights). Read *before* backward, the host waits for the forward, then queues the backward and,
@@ -7,7 +7,9 @@ the host queues Adam and the next forward. The difference is host latency, not k
 are timed in one process on one prepared (compiled, graphed) model: the two variants of the
 ``train_step`` scenario (``read_loss``, :data:`bench.scenarios.READ_LOSS`) over the same model,
 interleaved in blocks of CUDA-event-timed steps, so compilation, cuDNN autotuning and clocks are
-shared and drift hits both alike. Each variant has its own Adam (the timing needs no shared state).
+shared and drift hits all alike. Each variant has its own Adam and guard. When the stack's Adam is
+fused, a third variant, ``on_device``, uses ``fused_adam(guard=device)``'s guard, which never waits:
+fused Adam skips a non-finite step's update on the GPU.
 
 Usage::
 
@@ -29,10 +31,12 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.scenarios import READ_LOSS, SCENARIOS, NonFiniteOutput, prepared_parts
+from bench.scenarios import READ_LOSS, SCENARIOS, NonFiniteOutput, Parts, Step, prepared_parts
 from bench.sweep import CONFIG_DIR
 from bench.timing import summarize, time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
+from optim import DeviceFiniteGuard
+from optim.amp import NonFiniteGuard
 
 RESULT_FILE = "guard_order.json"
 
@@ -56,26 +60,36 @@ def compose_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     return cfg
 
 
+def variant_steps(parts: Parts, cfg: dict[str, Any]) -> dict[str, tuple[Step, Any]]:
+    """Each variant's train step and its own guard: the host guard asked before and after backward, and
+    (when the stack's Adam is fused) the device guard, which never waits."""
+    steps = {where: (SCENARIOS["train_step"](*parts, cfg, read_loss=where, guard=(g := NonFiniteGuard())), g)
+             for where in READ_LOSS}
+    if parts[2].optimizer_options().get("fused"):
+        steps["on_device"] = (SCENARIOS["train_step"](*parts, cfg, guard=(g := DeviceFiniteGuard())), g)
+    return steps
+
+
 def time_variants(cfg: dict[str, Any], blocks: int, iters: int, warmup: int) -> dict[str, Any]:
-    """Both ``read_loss`` variants on one prepared model, interleaved block by block."""
+    """Every variant on one prepared model, interleaved block by block."""
     device = resolve_device(cfg.get("device", "auto"))
     with prepared_parts(cfg, device) as parts:
-        steps = {where: SCENARIOS["train_step"](*parts, cfg, read_loss=where) for where in READ_LOSS}
-        for step in steps.values():  # compile / capture once, outside the timed blocks
+        steps = variant_steps(parts, cfg)
+        for step, _ in steps.values():  # compile / capture once, outside the timed blocks
             step()
-        samples: dict[str, list[float]] = {where: [] for where in READ_LOSS}
-        block_medians: dict[str, list[float]] = {where: [] for where in READ_LOSS}
+        samples: dict[str, list[float]] = {name: [] for name in steps}
+        block_medians: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(blocks):
-            for where, step in steps.items():
+            for name, (step, _) in steps.items():
                 block = time_fn(step, warmup=warmup, iters=iters, device=device).samples
-                samples[where] += block
-                block_medians[where].append(statistics.median(block))
-        stack = parts[2]
-        if stack.guard.skipped:
-            raise NonFiniteOutput(f"{stack.guard.skipped} step(s) skipped by the non-finite-loss guard while timing")
-        describe = stack.describe()
-    return {"variants": {where: summarize(s).as_dict() | {"block_medians_ms": block_medians[where]}
-                         for where, s in samples.items()},
+                samples[name] += block
+                block_medians[name].append(statistics.median(block))
+        skipped = {name: guard.skipped for name, (_, guard) in steps.items()}
+        if any(skipped.values()):
+            raise NonFiniteOutput(f"steps skipped by the non-finite-loss guard while timing: {skipped}")
+        describe = parts[2].describe()
+    return {"variants": {name: summarize(s).as_dict() | {"block_medians_ms": block_medians[name]}
+                         for name, s in samples.items()},
             "blocks": blocks, "iters_per_block": iters, "describe": describe, "env": env_info(device)}
 
 

@@ -70,12 +70,14 @@ def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed:
 
 
 def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
-                cond: torch.Tensor, cfg: Mapping, read_loss: str = "before_backward") -> Step:
+                cond: torch.Tensor, cfg: Mapping, read_loss: str = "before_backward",
+                guard: Callable[..., bool] | None = None) -> Step:
     """Forward + loss under forward_context, then guard, backward and Adam (as ``med_ddpm.train``).
 
     The scaler is a disabled pass-through unless the stack has fp16 autocast (one code path).
-    ``read_loss`` is where the guard waits for the loss: ``before_backward`` as the loop does, or
-    ``after_backward`` (the loop until round 12; :mod:`bench.guard_order` times the two).
+    ``read_loss`` is where the guard is asked: ``before_backward`` as the loop does, or
+    ``after_backward`` (the loop until round 12). ``guard`` replaces the stack's guard
+    (:mod:`bench.guard_order` times these variants on one model).
     """
     if read_loss not in READ_LOSS:
         raise ValueError(f"read_loss must be one of {READ_LOSS}, got {read_loss!r}")
@@ -85,6 +87,7 @@ def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x
     scaler = stack.grad_scaler(x0.device.type)
     gen = torch.Generator(device=x0.device).manual_seed(int(cfg["seed"]))
     loss_type = cfg["diffusion"].get("loss_type", "l1")
+    check = guard or stack.finite_or_skip
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -92,7 +95,7 @@ def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x
             loss = diffusion_loss(model, schedule, x0, cond, loss_type=loss_type, generator=gen)
         if late:
             scaler.scale(loss).backward()
-        if stack.finite_or_skip(loss):  # the loop's guard: a NaN step must not touch the weights
+        if check(loss, optimizer):  # the loop's guard: a NaN step must not touch the weights
             if not late:
                 scaler.scale(loss).backward()
             scaler.step(optimizer)

@@ -129,13 +129,16 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def mean_over_ranks(value: float, device: torch.device) -> float:
-    """The all-reduced mean of a per-rank scalar (a NaN on any rank makes it NaN everywhere)."""
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The all-reduced mean of a per-rank 0-d tensor (a NaN on any rank makes it NaN everywhere).
+
+    Stays on the device (NCCL queues the all-reduce on the stream): no host sync.
+    """
     if not is_distributed():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = value.detach().to(torch.float64, copy=True).reshape(1)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.item() / world_size()
+    return t.reshape(()) / world_size()
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

@@ -21,7 +21,6 @@ checkpoints and previews happen on rank 0; the logged loss is the mean over rank
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -268,25 +267,27 @@ def draw_t_noise(job: Job, x: torch.Tensor, first: int) -> tuple[torch.Tensor, t
     return torch.cat(ts), torch.stack(noises)
 
 
-def train_step(job: Job, batches: Iterator[dict]) -> float:
+def train_step(job: Job, batches: Iterator[dict]) -> torch.Tensor:
     """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss over ranks (NaN if skipped).
 
-    Each micro-batch's loss is averaged over ranks and read back *before* its backward, so a
-    non-finite one is caught before it has a gradient: the step's remaining backwards and its
-    update are skipped on every rank, counted once by the stack's guard (the remaining batches
-    are still drawn: the data stream stays at step × grad_accum, as resume expects). Before
-    backward is also the cheaper place to wait for the loss: in the graphed H200 step the host
-    queues Adam and the next forward while the backward runs, instead of after it (round 12 A/B
-    of the bench step, ``bench/guard_order.py``: 56.9 against 59.7 ms). Gradients are
-    all-reduced once, on the last micro-step (``no_sync`` before it).
+    The loss comes back as a 0-d device tensor: reading it waits for the GPU, so :func:`fit` reads
+    it only when it logs. Each micro-batch's loss, averaged over ranks, goes to the stack's guard
+    *before* its backward. The default guard reads it on the host there: a non-finite loss skips
+    the step's remaining backwards and its update on every rank, counted once (the remaining
+    batches are still drawn: the data stream stays at step × grad_accum, as resume expects).
+    Before backward is the cheaper place to wait: the host queues Adam and the next forward while
+    the GPU runs the backward (round 12 A/B of the bench step on the H200, ``bench/guard_order.py``:
+    56.9 against 59.7 ms reading after backward). ``fused_adam(guard=device)`` does not wait at all:
+    fused Adam skips a non-finite step's update on the GPU. Gradients are all-reduced once, on the
+    last micro-step (``no_sync`` before it).
     """
     cfg = job.cfg.train
     world = distributed.world_size()
     job.optimizer.zero_grad(set_to_none=True)
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []
     for micro in range(cfg.grad_accum):
         batch = next(batches)
-        if not math.isfinite(sum(losses)):
+        if len(losses) < micro:  # the guard skipped an earlier micro-batch, so this step
             continue
         x = job.stack.prepare_input(batch["image"].to(job.device, non_blocking=True))
         cond = job.stack.prepare_input(batch["cond"].to(job.device, non_blocking=True))
@@ -297,15 +298,15 @@ def train_step(job: Job, batches: Iterator[dict]) -> float:
                                       loss_type=job.cfg.diffusion.loss_type)
             if cfg.divide_loss_by_batch_size:  # Med-DDPM's trainer: loss.sum() / batch_size of a mean
                 loss = loss / (x.shape[0] * world)  # the global batch: N ranks of b == one rank of N·b
-            losses.append(distributed.mean_over_ranks(loss.item(), job.device))  # NaN on any rank: NaN on all
-            if math.isfinite(losses[-1]):
+            mean = distributed.mean_over_ranks(loss.detach())  # NaN on any rank: NaN on all, all skip alike
+            if job.stack.finite_or_skip(mean, job.optimizer):
                 job.scaler.scale(loss / cfg.grad_accum).backward()
-    mean = sum(losses) / cfg.grad_accum
-    if not job.stack.finite_or_skip(torch.tensor(mean)):
-        return float("nan")
+                losses.append(mean)
+    if len(losses) < cfg.grad_accum:
+        return torch.tensor(float("nan"))
     job.scaler.step(job.optimizer)
     job.scaler.update()
-    return mean
+    return torch.stack(losses).sum() / cfg.grad_accum
 
 
 def fit(job: Job) -> dict[str, Any]:
@@ -324,22 +325,22 @@ def fit(job: Job) -> dict[str, Any]:
         if job.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(job.device)
         bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
-        t0, start_step, loss = time.perf_counter(), job.step, float("nan")
+        t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
         while job.step < cfg.max_steps:
             loss = train_step(job, batches)
             update_ema(job)
             job.step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
-                job.tracker.log(metrics(job, loss, t0, start_step), step=job.step)
+                bar.set_postfix(loss=f"{loss.item():.4f}")  # the loop's one wait for the GPU between logs
+                job.tracker.log(metrics(job, loss.item(), t0, start_step), step=job.step)
             if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
                 png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
                 job.tracker.log_image("sample", png, step=job.step)
             if job.step % cfg.save_every == 0 or job.step == cfg.max_steps:
                 save(job)
         bar.close()
-        summary = metrics(job, loss, t0, start_step) | {"recipes": job.stack.describe()}
+        summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
     job.tracker.finish()
     return summary
 

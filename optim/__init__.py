@@ -15,7 +15,7 @@ from optim.cuda_graphs import CudaGraphs, graph_denoiser
 from optim.cudnn_benchmark import CudnnBenchmark, cudnn_benchmark_enabled
 from optim.dense_conv_grads import DenseConvGrads, use_dense_conv_grads
 from optim.flags import effective_flags
-from optim.fused_adam import FusedAdam, fused_adam_options
+from optim.fused_adam import DeviceFiniteGuard, FusedAdam, fused_adam_options, skip_update_if_non_finite
 from optim.fused_groupnorm import FusedGroupNorm, FusedGroupNormAct, fuse_groupnorm
 from optim.narrow_conv import NarrowConvGemm, gemm_narrow_convs
 from optim.pad_channels import PadConvChannels, pad_conv_out_channels
@@ -26,10 +26,10 @@ from optim.upsample import GatherUpsample, use_gather_upsample
 
 __all__ = [
     "Amp", "AttentionCore", "ChannelsLast3d", "Checkpointing", "Compile", "CudaGraphs", "CudnnBenchmark",
-    "DenseConvGrads", "DeviceInfo", "FusedAdam", "FusedGroupNorm", "FusedGroupNormAct", "GatherUpsample", "NarrowConvGemm", "PadConvChannels", "Recipe",
+    "DenseConvGrads", "DeviceFiniteGuard", "DeviceInfo", "FusedAdam", "FusedGroupNorm", "FusedGroupNormAct", "GatherUpsample", "NarrowConvGemm", "PadConvChannels", "Recipe",
     "RecipeConflictError", "RecipeStack", "SdpaAttention", "SdpaAttentionCore", "Tf32",
     "UnsupportedRecipeError", "apply_checkpointing", "autocast_for", "compile_model",
     "cudnn_benchmark_enabled", "effective_flags", "finite_or_skip", "fuse_groupnorm", "fused_adam_options", "gemm_narrow_convs", "graph_denoiser",
-    "is_channels_last_3d", "pad_conv_out_channels", "tf32_enabled", "to_channels_last_3d",
+    "is_channels_last_3d", "pad_conv_out_channels", "skip_update_if_non_finite", "tf32_enabled", "to_channels_last_3d",
     "use_dense_conv_grads", "use_gather_upsample", "use_sdpa_attention",
 ]

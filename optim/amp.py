@@ -50,12 +50,18 @@ def finite_or_skip(loss: torch.Tensor) -> bool:
 
 
 class NonFiniteGuard:
-    """:func:`finite_or_skip` that counts the steps it told the loop to skip."""
+    """:func:`finite_or_skip` that counts the steps it told the loop to skip.
+
+    The guard protocol (:class:`optim.fused_adam.DeviceFiniteGuard` is the other guard):
+    ``guard(loss, optimizer)`` says whether the loop runs backward and the optimiser step;
+    ``skipped`` counts the steps skipped so far. This one reads the loss on the host and ignores
+    the optimiser.
+    """
 
     def __init__(self) -> None:
         self.skipped = 0
 
-    def __call__(self, loss: torch.Tensor) -> bool:
+    def __call__(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> bool:
         ok = finite_or_skip(loss)
         self.skipped += not ok
         return ok

@@ -12,6 +12,8 @@ A recipe is a small object with the hooks a train/sample/bench loop actually has
 * ``optimizer_options()`` keyword arguments for the loop's ``torch.optim.Adam`` (fused kernel);
 * ``inductor_options()`` inductor config the recipe needs from the stack's ``compile`` (a kernel form
                           that pays off only under one inductor setting asks for it here);
+* ``loss_guard()``      the loop's non-finite-loss guard, when the recipe brings its own (fused Adam's
+                          device-side skip); the stack's default reads the loss on the host;
 * ``supported(device)`` ``(ok, reason)`` so a stack refuses an impossible recipe up front;
 * ``describe()``        JSON-able record of what was applied, logged with every result.
 
@@ -122,6 +124,10 @@ class Recipe:
     def inductor_options(self) -> dict[str, Any]:
         """Inductor config for the stack's ``compile`` (its own ``inductor`` option wins); default: none."""
         return {}
+
+    def loss_guard(self) -> Any | None:
+        """A guard ``(loss, optimizer) -> run backward and step?`` with a ``skipped`` count; default: none."""
+        return None
 
     def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
         """Whether the recipe can run on ``device``; ``(False, reason)`` otherwise."""

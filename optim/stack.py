@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optim.amp import NonFiniteGuard
+from optim.amp import Amp, NonFiniteGuard
 from optim.base import DeviceInfo, Recipe, RecipeConflictError, UnsupportedRecipeError
 from optim.channels_last import ChannelsLast3d
 from optim.compile import Compile
@@ -53,6 +53,12 @@ def _conflicts(recipes: list[Recipe]) -> None:
             f"recipes {overhead[0]!r} and {graphs[0]!r} cannot be combined: compile mode "
             "'reduce-overhead' already captures CUDA graphs; use compile mode 'default' or "
             "'max-autotune' with cuda_graphs, or drop cuda_graphs")
+    guarded = [r for r in recipes if r.loss_guard() is not None]
+    scaled = [r for r in recipes if isinstance(r, Amp) and r.dtype == torch.float16]
+    if guarded and scaled:
+        raise RecipeConflictError(
+            f"recipes {guarded[0]!r} and {scaled[0]!r} cannot be combined: fp16's GradScaler sets fused Adam's "
+            "found_inf itself; use the host guard with amp_fp16")
 
 
 def _merged(recipes: list[Recipe], hook: str, whose: str) -> dict[str, Any]:
@@ -85,7 +91,7 @@ class RecipeStack:
         for r in self.recipes:
             if isinstance(r, Compile):
                 r.request_inductor(requests)
-        self.guard = NonFiniteGuard()
+        self.guard = next((g for r in self.recipes if (g := r.loss_guard()) is not None), NonFiniteGuard())
         self._notes: list[str] = []
         if any(isinstance(r, Compile) for r in self.recipes):
             for r in self.recipes:
@@ -184,9 +190,14 @@ class RecipeStack:
         """Every recipe's requested inductor config (what the stack hands to its ``compile`` recipes)."""
         return _merged(self.recipes, "inductor_options", "inductor's")
 
-    def finite_or_skip(self, loss: torch.Tensor) -> bool:
-        """Non-finite-loss guard for the training loop; skips are counted in ``describe()``."""
-        return self.guard(loss)
+    def finite_or_skip(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Non-finite-loss guard for the training loop: run backward and the optimiser step?
+
+        The default guard reads the loss on the host; a recipe's :meth:`optim.Recipe.loss_guard`
+        replaces it (``fused_adam(guard=device)`` always says yes and lets the optimiser skip
+        on the GPU, so it needs ``optimizer``). Skips are counted in ``describe()``.
+        """
+        return self.guard(loss, optimizer)
 
     def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` once, timing it as compile time when a compile recipe is present."""

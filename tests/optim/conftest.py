@@ -68,7 +68,7 @@ def train_step(stack: RecipeStack, model: torch.nn.Module, x, t, target) -> Step
         with stack.forward_context():
             out = model(stack.prepare_input(x), t)
             loss = F.l1_loss(out.float(), stack.prepare_input(target))
-        assert stack.finite_or_skip(loss), f"non-finite loss {loss}"
+        assert stack.finite_or_skip(loss, opt), f"non-finite loss {loss}"
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

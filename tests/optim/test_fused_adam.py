@@ -1,4 +1,5 @@
-"""fused_adam: the loop's Adam gets ``fused=True`` through the stack, and nowhere else changes."""
+"""fused_adam: the loop's Adam gets ``fused=True`` through the stack, and nowhere else changes;
+``guard=device`` skips a non-finite step inside the fused kernel exactly as the host guard skips it."""
 
 from __future__ import annotations
 
@@ -6,9 +7,19 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import LR, tiny_unet
+import torch.nn.functional as F
+from conftest import LR, tiny_batch, tiny_unet
 
-from optim import DeviceInfo, FusedAdam, Recipe, RecipeConflictError, RecipeStack, fused_adam_options
+from optim import (
+    Amp,
+    DeviceInfo,
+    FusedAdam,
+    Recipe,
+    RecipeConflictError,
+    RecipeStack,
+    fused_adam_options,
+    skip_update_if_non_finite,
+)
 
 
 class _ForeachAdam(Recipe):
@@ -50,3 +61,67 @@ def test_unsupported_device_type_is_named() -> None:
     ok, reason = FusedAdam().supported(DeviceInfo("mps"))
     assert not ok and "mps" in reason
     assert FusedAdam().supported(DeviceInfo("cuda", (7, 0), "Tesla V100"))[0]
+
+
+def _guarded_run(guard: str, bad_steps: set[int], steps: int = 4) -> tuple[torch.nn.Module, dict, int]:
+    """``steps`` L1 + fused-Adam steps of the tiny UNet through the stack's guard, NaN inputs at ``bad_steps``;
+    the loop as med_ddpm.train runs it (backward and step only when the guard says so)."""
+    stack, model = RecipeStack([FusedAdam(guard=guard)]), tiny_unet()
+    opt = torch.optim.Adam(model.parameters(), lr=LR, **stack.optimizer_options())
+    x, t, target = tiny_batch()
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = F.l1_loss(model(x * float("nan") if i in bad_steps else x, t), target)
+        if stack.finite_or_skip(loss, opt):
+            loss.backward()
+            opt.step()
+    return model, opt.state_dict(), stack.guard.skipped
+
+
+def test_device_guard_skips_exactly_as_the_host_guard() -> None:
+    """Steps 1 and 2 of 5 non-finite: the host guard skips backward and Adam; the device guard runs both and
+    fused Adam leaves weights, moments and the step count alone. The two runs end bit-identical."""
+    host, host_state, host_skipped = _guarded_run("host", {1, 2}, steps=5)
+    device, device_state, device_skipped = _guarded_run("device", {1, 2}, steps=5)
+    assert host_skipped == device_skipped == 2
+    for p, q in zip(host.parameters(), device.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for a, b in zip(host_state["state"].values(), device_state["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert float(device_state["state"][0]["step"]) == 3
+    clean, _, _ = _guarded_run("device", set(), steps=5)  # the skips did change something
+    assert not all(torch.equal(p, q) for p, q in zip(clean.parameters(), device.parameters(), strict=True))
+
+
+def test_device_guard_ors_micro_batches_and_disarms_after_the_step() -> None:
+    """Gradient accumulation: one non-finite micro-batch skips the step; the post-step hook disarms the flag."""
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([param], lr=0.1, fused=True)
+    skip_update_if_non_finite(opt, torch.tensor(float("inf")))
+    assert float(skip_update_if_non_finite(opt, torch.tensor(1.0))) == 1.0
+    stack = RecipeStack([FusedAdam(guard="device")])
+    assert stack.finite_or_skip(torch.tensor(float("nan")), opt) and stack.finite_or_skip(torch.tensor(2.0), opt)
+    param.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(param, torch.ones(3)) and not hasattr(opt, "found_inf") and stack.guard.skipped == 1
+    assert stack.finite_or_skip(torch.tensor(2.0), opt)
+    opt.step()
+    assert not torch.equal(param, torch.ones(3)) and stack.guard.skipped == 1
+    stack.guard.skipped = 5  # resume restores a checkpoint's count
+    stack.finite_or_skip(torch.tensor(float("nan")), opt)
+    opt.step()
+    assert stack.guard.skipped == 6
+
+
+def test_device_guard_refusals_are_named() -> None:
+    stack = RecipeStack([FusedAdam(guard="device")])
+    with pytest.raises(ValueError, match="needs the loop's fused Adam"):
+        stack.finite_or_skip(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="needs the loop's fused Adam"):
+        stack.finite_or_skip(torch.tensor(1.0), torch.optim.Adam([torch.nn.Parameter(torch.ones(1))]))
+    with pytest.raises(RecipeConflictError, match="GradScaler sets fused Adam's found_inf"):
+        RecipeStack([FusedAdam(guard="device"), Amp("float16")])
+    RecipeStack([FusedAdam(guard="device"), Amp("bfloat16")])
+    with pytest.raises(RecipeConflictError, match="guard must be one of"):
+        FusedAdam(guard="gpu")
+    assert FusedAdam().describe()["guard"] == "host"

@@ -40,7 +40,7 @@ def test_whole_head_train_step_and_five_sampling_steps(names: list[str]) -> None
         with stack.forward_context():
             loss = F.l1_loss(model(stack.prepare_input(x), torch.tensor([10], device="cuda")).float(),
                              torch.zeros(1, 1, 128, 128, 128, device="cuda"))
-        assert stack.finite_or_skip(loss)
+        assert stack.finite_or_skip(loss, opt)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
