@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -69,15 +70,15 @@ class DeviceFiniteGuard:
     def __init__(self) -> None:
         self._count: torch.Tensor | None = None  # this run's skips, on the device
         self._restored = 0  # a resumed run's earlier skips
-        self._hooked: set[int] = set()
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimisers with our post-hook
 
     def __call__(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> bool:
         if optimizer is None or not optimizer.defaults.get("fused"):
             raise ValueError("fused_adam(guard=device) needs the loop's fused Adam: call "
                              "stack.finite_or_skip(loss, optimizer) with the optimiser built from stack.optimizer_options()")
-        if id(optimizer) not in self._hooked:
+        if optimizer not in self._hooked:
             optimizer.register_step_post_hook(self._after_step)
-            self._hooked.add(id(optimizer))
+            self._hooked.add(optimizer)
         skip_update_if_non_finite(optimizer, loss)
         return True
 

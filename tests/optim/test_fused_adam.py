@@ -63,12 +63,13 @@ def test_unsupported_device_type_is_named() -> None:
     assert FusedAdam().supported(DeviceInfo("cuda", (7, 0), "Tesla V100"))[0]
 
 
-def _guarded_run(guard: str, bad_steps: set[int], steps: int = 4) -> tuple[torch.nn.Module, dict, int]:
+def _guarded_run(guard: str, bad_steps: set[int], steps: int = 4,
+                 device: str = "cpu") -> tuple[torch.nn.Module, dict, int]:
     """``steps`` L1 + fused-Adam steps of the tiny UNet through the stack's guard, NaN inputs at ``bad_steps``;
     the loop as med_ddpm.train runs it (backward and step only when the guard says so)."""
-    stack, model = RecipeStack([FusedAdam(guard=guard)]), tiny_unet()
+    stack, model = RecipeStack([FusedAdam(guard=guard)]), tiny_unet().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=LR, **stack.optimizer_options())
-    x, t, target = tiny_batch()
+    x, t, target = tiny_batch(device=device)
     for i in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = F.l1_loss(model(x * float("nan") if i in bad_steps else x, t), target)
@@ -78,19 +79,20 @@ def _guarded_run(guard: str, bad_steps: set[int], steps: int = 4) -> tuple[torch
     return model, opt.state_dict(), stack.guard.skipped
 
 
-def test_device_guard_skips_exactly_as_the_host_guard() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_guard_skips_exactly_as_the_host_guard(device: str) -> None:
     """Steps 1 and 2 of 5 non-finite: the host guard skips backward and Adam; the device guard runs both and
     fused Adam leaves weights, moments and the step count alone. The two runs end bit-identical."""
-    host, host_state, host_skipped = _guarded_run("host", {1, 2}, steps=5)
-    device, device_state, device_skipped = _guarded_run("device", {1, 2}, steps=5)
+    host, host_state, host_skipped = _guarded_run("host", {1, 2}, steps=5, device=device)
+    device_run, device_state, device_skipped = _guarded_run("device", {1, 2}, steps=5, device=device)
     assert host_skipped == device_skipped == 2
-    for p, q in zip(host.parameters(), device.parameters(), strict=True):
+    for p, q in zip(host.parameters(), device_run.parameters(), strict=True):
         assert torch.equal(p, q)
     for a, b in zip(host_state["state"].values(), device_state["state"].values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
     assert float(device_state["state"][0]["step"]) == 3
-    clean, _, _ = _guarded_run("device", set(), steps=5)  # the skips did change something
-    assert not all(torch.equal(p, q) for p, q in zip(clean.parameters(), device.parameters(), strict=True))
+    clean, _, _ = _guarded_run("device", set(), steps=5, device=device)  # the skips did change something
+    assert not all(torch.equal(p, q) for p, q in zip(clean.parameters(), device_run.parameters(), strict=True))
 
 
 def test_device_guard_ors_micro_batches_and_disarms_after_the_step() -> None:
