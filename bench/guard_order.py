@@ -28,11 +28,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
+from bench.ladder import compose_job
 from bench.scenarios import READ_LOSS, SCENARIOS, NonFiniteOutput, Parts, Step, prepared_parts
-from bench.sweep import CONFIG_DIR
 from bench.timing import summarize, time_fn
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import DeviceFiniteGuard
@@ -53,8 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compose_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     """The resolved bench config of ``overrides`` (its scenario must be ``train_step``)."""
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("bench", overrides=[*overrides, f"output_dir={out}"]), resolve=True)
+    cfg = compose_job(overrides, out)["config"]  # the config bench.ladder would hand a worker
     if cfg["bench"]["scenario"] != "train_step":
         raise SystemExit(f"bench.guard_order times the train step; got bench={cfg['bench']['scenario']}")
     return cfg

@@ -332,8 +332,9 @@ def fit(job: Job) -> dict[str, Any]:
             job.step += 1
             bar.update(1)
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
-                bar.set_postfix(loss=f"{loss.item():.4f}")  # the loop's one wait for the GPU between logs
-                job.tracker.log(metrics(job, loss.item(), t0, start_step), step=job.step)
+                value = loss.item()  # the loop's one wait for the GPU between logs
+                bar.set_postfix(loss=f"{value:.4f}")
+                job.tracker.log(metrics(job, value, t0, start_step), step=job.step)
             if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
                 png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
                 job.tracker.log_image("sample", png, step=job.step)
