@@ -20,9 +20,9 @@ The default guard reads the loss on the host once a step, so the GPU waits while
 what follows. The fused kernel takes a ``found_inf`` flag, the one fp16's GradScaler sets: when it
 is 1 the kernel leaves weights, moments and the step count as they were. The device guard sets
 that flag from the loss on the GPU and lets the loop go on, so nothing waits. A skipped step's
-backward still runs (its gradients are discarded). H200 round 12: the graphed fast train step
-spends 5.25 ms outside its 51.3 ms of kernels, and moving the host read from after to before
-backward already saved 2.75 ms; the device guard has not been timed.
+backward still runs (its gradients are discarded). H200 round 13, graphed fast train step, one
+compiled model: 54.9 ms a step with the device guard, 56.1 ms with the host read before backward,
+57.6 ms with it after (``bench/results/h200/tuning/guard_order_9112a70/``).
 
 Example:
     >>> opt = torch.optim.Adam(model.parameters(), lr=1e-5, **fused_adam_options())

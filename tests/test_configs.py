@@ -122,7 +122,7 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     assert {"amp", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample", "dense_conv_grads",
             "compile"} <= set(names)
     assert recipes["gather_upsample"].forward == "gather" and recipes["narrow_conv_gemm"].forms == ("col2im",)
-    assert recipes["fused_groupnorm"].ndhwc_backward == "closed_form"
+    assert recipes["fused_groupnorm"].ndhwc_backward == "closed_form" and recipes["fused_adam"].guard == "device"
     stack = RecipeStack.from_config(cfg.recipe)
     assert stack.optimizer_options() == {"fused": True} and stack.inductor_options() == {"realize_reads_threshold": 6}
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")
