@@ -135,6 +135,7 @@ def markdown(profiles: list[dict]) -> str:
             by = f" {short_name(k.get('launched_by') or '', 70).replace('|', '/')} |" if launched else ""
             lines.append(f"| {i} | `{name}` | {k['category']} | {'y' if k['tensor_core'] else ''} | "
                          f"{k['calls']} | {k['time_us'] / 1e3 / p['steps']:.3f} | {k['share']:.1%} |{by}")
+    lines += timeline_markdown(profiles)
     notes = [f"- {p['label']}: {p['note']}" for p in profiles if p.get("note")]  # corrections made after a run
     return "\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n"
 
@@ -158,6 +159,58 @@ def stacked_bar_png(profiles: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# A gap between two kernels shorter than this is the GPU's own launch latency (a graph's node-to-node
+# step, about 1-3 µs on Hopper); a longer one means the stream waited for the host.
+LAUNCH_GAP_US = 5.0
+
+
+def timeline(intervals_us: list[tuple[float, float]], steps: int) -> dict[str, float]:
+    """Where the profiled steps' GPU time went: kernels, or nothing.
+
+    ``intervals_us``: (start, end) of every kernel/memcpy in the profiled window (``steps`` calls run
+    back to back, no synchronise between them). Overlapping intervals (several streams) are merged,
+    so ``busy`` is the time at least one kernel ran and ``idle`` the rest of the window's span; the
+    idle time is split into gaps shorter than :data:`LAUNCH_GAP_US` (launch latency, reduced only
+    by fewer kernels) and longer ones (the GPU waited for the host). Per step, in ms. The profiler
+    slows the host, so an eager step's host-bound gaps read longer than in an unprofiled run.
+    """
+    if not intervals_us:
+        raise ValueError("timeline needs at least one kernel interval")
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals_us):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
+    short = [g for g in gaps if g < LAUNCH_GAP_US]
+    long = [g for g in gaps if g >= LAUNCH_GAP_US]
+    per_step = 1e3 * steps
+    return {"span_ms": (merged[-1][1] - merged[0][0]) / per_step,
+            "busy_ms": sum(e - s for s, e in merged) / per_step,
+            "idle_ms": sum(gaps) / per_step,
+            "launch_gap_ms": sum(short) / per_step, "launch_gaps": len(short) / steps,
+            "host_wait_ms": sum(long) / per_step, "host_waits": len(long) / steps,
+            "longest_gap_us": max(gaps, default=0.0),
+            "kernels": len(intervals_us) / steps}
+
+
+def timeline_markdown(profiles: list[dict]) -> list[str]:
+    """The timeline rows of :func:`markdown` for the profiles that have one (GPU profiles)."""
+    with_timeline = [p for p in profiles if p.get("timeline")]
+    if not with_timeline:
+        return []
+    lines = ["", "## GPU timeline per step (kernels back to back, no synchronise between steps)", "",
+             "| stack | span ms | kernels busy ms | idle ms | launch gaps (< 5 µs) | host waits (≥ 5 µs) "
+             "| longest gap µs | kernels |", "|---|---|---|---|---|---|---|---|"]
+    for p in with_timeline:
+        t = p["timeline"]
+        lines.append(f"| {p['label']} | {t['span_ms']:.3f} | {t['busy_ms']:.3f} | {t['idle_ms']:.3f} | "
+                     f"{t['launch_gap_ms']:.3f} ms in {t['launch_gaps']:.0f} | {t['host_wait_ms']:.3f} ms in "
+                     f"{t['host_waits']:.0f} | {t['longest_gap_us']:.0f} | {t['kernels']:.0f} |")
+    return lines
 
 
 def aggregate(events: list[tuple[str, float]]) -> tuple[dict[str, float], dict[str, int]]:

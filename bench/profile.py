@@ -69,17 +69,22 @@ def _is_annotation(event: Any) -> bool:
     return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("## ")
 
 
+def _gpu_events(prof: torch.profiler.profile) -> list[Any]:
+    """Every GPU kernel/memcpy/memset the profiler saw (CUDA-graph replays included), annotations left out."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e)]
+
+
 def _events(prof: torch.profiler.profile, device: torch.device) -> list[tuple[str, float]]:
     """(name, µs) of every GPU kernel/memcpy on CUDA; of every operator's self CPU time on CPU."""
     if device.type == "cuda":
-        return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e)]
+        return [(e.name, e.time_range.elapsed_us()) for e in _gpu_events(prof)]
     return [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
 
 
-def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[str, float]], dict[str, str]]:
-    """Warm up, then record ``profile.steps`` calls of the scenario's step: the events and, per
-    GPU kernel, its launching operator."""
+def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[str, float]], dict[str, str],
+                                                                     dict[str, float] | None]:
+    """Warm up, then record ``profile.steps`` calls of the scenario's step: the events, per GPU
+    kernel its launching operator, and (on CUDA) the steps' GPU timeline (:func:`bench.kernels.timeline`)."""
     p = cfg["profile"]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -92,13 +97,16 @@ def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[
             for _ in range(int(p["steps"])):
                 step()
             synchronize(device)
-    return _events(prof, device), _launchers(prof) if device.type == "cuda" else {}
+    if device.type != "cuda":
+        return _events(prof, device), {}, None
+    spans = [(e.time_range.start, e.time_range.end) for e in _gpu_events(prof)]
+    return _events(prof, device), _launchers(prof), kernels.timeline(spans, int(p["steps"]))
 
 
 def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], device: torch.device,
-              launchers: dict[str, str] | None = None) -> dict:
+              launchers: dict[str, str] | None = None, timeline: dict[str, float] | None = None) -> dict:
     """The JSON record of one profiled stack: per-category ms/step, top kernels (with their
-    launching operator where known), Tensor-Core share."""
+    launching operator where known), Tensor-Core share, and the GPU timeline where there is one."""
     steps = int(cfg["profile"]["steps"])
     times, counts = kernels.aggregate(events)
     top = kernels.top_kernels(times, counts, int(cfg["profile"]["top"]))
@@ -112,6 +120,7 @@ def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], 
         "total_ms": sum(times.values()) / 1e3 / steps,
         "tensor_core_share": kernels.tensor_core_share(times),
         "top": top,
+        "timeline": timeline,
     }
 
 
@@ -198,8 +207,8 @@ def main(cfg: DictConfig) -> None:
     device = resolve_device(config["device"])
     label = profile_label(job)
     out = Path(config["profile"]["out"] or sweep_dir_of(hc))
-    events, launchers = profile_step(config, device)
-    record = summarise(events, label, config, device, launchers)
+    events, launchers, timeline = profile_step(config, device)
+    record = summarise(events, label, config, device, launchers, timeline)
     if config["profile"]["ncu"]:
         try:
             record["ncu"] = run_ncu(config, record, out)

@@ -1,5 +1,10 @@
 """The kernel categoriser on real kernel names, and the markdown/PNG writers."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench import kernels
@@ -114,3 +119,41 @@ def test_profiles_of_one_stack_at_two_batch_sizes_get_two_labels_and_files():
     one, four = profile_label(job(1, ["amp_bf16"])), profile_label(job(4, ["amp_bf16"]))
     assert (one, four) == ("amp_bf16", "amp_bf16 (batch 4)")
     assert slug({"scenario": "denoise_step", "label": four}) == "denoise_step_amp_bf16_batch_4"
+
+
+def test_timeline_merges_streams_and_splits_idle_into_launch_gaps_and_host_waits():
+    """Two steps; overlapping kernels (two streams) count once; 2 µs gaps are launch latency, 40 µs a host wait."""
+    step = [(0.0, 100.0), (50.0, 120.0), (122.0, 200.0), (240.0, 300.0)]  # busy 200 + 60, gaps 2 and 40
+    second = [(s + 301.0, e + 301.0) for s, e in step]  # 1 µs after the first step's last kernel
+    t = kernels.timeline(step + second, steps=2)
+    assert t["span_ms"] == pytest.approx(601e-3 / 2)
+    assert t["busy_ms"] == pytest.approx(2 * 258e-3 / 2)
+    assert t["idle_ms"] == pytest.approx(t["span_ms"] - t["busy_ms"]) == pytest.approx((2 + 40 + 1 + 2 + 40) / 2e3)
+    assert t["launch_gaps"] == 1.5 and t["launch_gap_ms"] == pytest.approx(5e-3 / 2)
+    assert t["host_waits"] == 1 and t["host_wait_ms"] == pytest.approx(40e-3) and t["longest_gap_us"] == 40
+    assert t["kernels"] == 4
+    with pytest.raises(ValueError, match="at least one kernel"):
+        kernels.timeline([], steps=1)
+
+
+def test_markdown_has_the_timeline_table_only_for_profiles_with_a_timeline():
+    times, _ = kernels.aggregate([("triton_poi_fused_add_0", 10.0)])
+    record = {"label": "graphed", "scenario": "train_step", "activity": "GPU kernels", "steps": 1, "top": [],
+              "categories_ms": kernels.breakdown(times), "total_ms": 0.01, "tensor_core_share": 0.0}
+    assert "GPU timeline" not in kernels.markdown([record])
+    timed = {**record, "timeline": kernels.timeline([(0.0, 10.0), (12.0, 20.0), (80.0, 90.0)], steps=1)}
+    text = kernels.markdown([record, timed])
+    assert "| graphed | 0.090 | 0.028 | 0.062 | 0.002 ms in 1 | 0.060 ms in 1 | 60 | 3 |" in text
+
+
+def test_cpu_profile_end_to_end_has_categories_and_no_gpu_timeline(tmp_path):
+    """``python -m bench.profile`` on the tiny smoke model: the record, profile.md and the bar chart are written;
+    a CPU profile has operator self times, so no GPU timeline."""
+    cmd = [sys.executable, "-m", "bench.profile", "experiment=bench_smoke", "bench=train_step",
+           f"profile.out={tmp_path}", "profile.steps=2", "profile.warmup=1"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record_path,) = tmp_path.glob("train_step_*.json")
+    record = json.loads(record_path.read_text())
+    assert record["timeline"] is None and record["categories_ms"]["convolution"] > 0
+    assert "GPU timeline" not in (tmp_path / "profile.md").read_text() and (tmp_path / "profile_breakdown.png").exists()
