@@ -203,7 +203,8 @@ def timeline_markdown(profiles: list[dict]) -> list[str]:
     if not with_timeline:
         return []
     lines = ["", "## GPU timeline per step (kernels back to back, no synchronise between steps)", "",
-             "| stack | span ms | kernels busy ms | idle ms | launch gaps (< 5 µs) | host waits (≥ 5 µs) "
+             f"| stack | span ms | kernels busy ms | idle ms | launch gaps (< {LAUNCH_GAP_US:g} µs) | host waits "
+             f"(≥ {LAUNCH_GAP_US:g} µs) "
              "| longest gap µs | kernels |", "|---|---|---|---|---|---|---|---|"]
     for p in with_timeline:
         t = p["timeline"]

@@ -65,8 +65,8 @@ def test_unsupported_device_type_is_named() -> None:
 
 class _PointwiseNet(torch.nn.Module):
     """Two linear layers over the channels: on CUDA its cuBLAS kernels are run-to-run deterministic, which
-    the tiny UNet is not (cuDNN weight gradients and the upsample backward add with atomics: two host-guard
-    runs of it differ by 2e-3 after 5 steps on an H200, cuDNN deterministic mode or not)."""
+    the tiny UNet is not (two host-guard runs of it differ by 2e-3 after 5 steps on an H200, with cuDNN's
+    deterministic mode too; presumably atomics in a backward kernel, not traced to one)."""
 
     def __init__(self) -> None:
         super().__init__()
