@@ -287,7 +287,7 @@ def train_step(job: Job, batches: Iterator[dict]) -> torch.Tensor:
     losses: list[torch.Tensor] = []
     for micro in range(cfg.grad_accum):
         batch = next(batches)
-        if len(losses) < micro:  # the guard skipped an earlier micro-batch, so this step
+        if len(losses) < micro:  # the guard skipped an earlier micro-batch: drawn, not trained on
             continue
         x = job.stack.prepare_input(batch["image"].to(job.device, non_blocking=True))
         cond = job.stack.prepare_input(batch["cond"].to(job.device, non_blocking=True))

@@ -53,12 +53,17 @@ def _conflicts(recipes: list[Recipe]) -> None:
             f"recipes {overhead[0]!r} and {graphs[0]!r} cannot be combined: compile mode "
             "'reduce-overhead' already captures CUDA graphs; use compile mode 'default' or "
             "'max-autotune' with cuda_graphs, or drop cuda_graphs")
-    guarded = [r for r in recipes if r.loss_guard() is not None]
+
+
+def _loss_guard(recipes: list[Recipe]) -> Any:
+    """The first recipe's own non-finite guard (built once), else the host guard; refused with fp16's GradScaler."""
+    guarded = [(r, g) for r in recipes if (g := r.loss_guard()) is not None]
     scaled = [r for r in recipes if isinstance(r, Amp) and r.dtype == torch.float16]
     if guarded and scaled:
         raise RecipeConflictError(
-            f"recipes {guarded[0]!r} and {scaled[0]!r} cannot be combined: fp16's GradScaler sets fused Adam's "
+            f"recipes {guarded[0][0]!r} and {scaled[0]!r} cannot be combined: fp16's GradScaler sets fused Adam's "
             "found_inf itself; use the host guard with amp_fp16")
+    return guarded[0][1] if guarded else NonFiniteGuard()
 
 
 def _merged(recipes: list[Recipe], hook: str, whose: str) -> dict[str, Any]:
@@ -91,7 +96,7 @@ class RecipeStack:
         for r in self.recipes:
             if isinstance(r, Compile):
                 r.request_inductor(requests)
-        self.guard = next((g for r in self.recipes if (g := r.loss_guard()) is not None), NonFiniteGuard())
+        self.guard = _loss_guard(self.recipes)
         self._notes: list[str] = []
         if any(isinstance(r, Compile) for r in self.recipes):
             for r in self.recipes:
