@@ -56,8 +56,14 @@ def _conflicts(recipes: list[Recipe]) -> None:
 
 
 def _loss_guard(recipes: list[Recipe]) -> Any:
-    """The first recipe's own non-finite guard (built once), else the host guard; refused with fp16's GradScaler."""
+    """A recipe's own non-finite guard (built once), else the host guard.
+
+    Refused with fp16's GradScaler (it owns fused Adam's ``found_inf``) and when two recipes each bring a guard
+    (the loop asks one guard; picking either would silently drop the other's skip logic)."""
     guarded = [(r, g) for r in recipes if (g := r.loss_guard()) is not None]
+    if len(guarded) > 1:
+        raise RecipeConflictError(f"recipes {guarded[0][0]!r} and {guarded[1][0]!r} cannot be combined: each brings "
+                                  "its own non-finite-loss guard and the training loop asks only one")
     scaled = [r for r in recipes if isinstance(r, Amp) and r.dtype == torch.float16]
     if guarded and scaled:
         raise RecipeConflictError(

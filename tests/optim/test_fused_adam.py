@@ -81,6 +81,15 @@ class _PointwiseNet(torch.nn.Module):
 NETS = {"cpu": tiny_unet, "cuda": _PointwiseNet}
 
 
+class _GuardedRecipe(Recipe):
+    """A second recipe with a guard of its own (none ships today), to check that two are refused."""
+
+    name = "guarded"
+
+    def loss_guard(self) -> object:
+        return object()
+
+
 def _guarded_run(guard: str, bad_steps: set[int], steps: int = 4,
                  device: str = "cpu") -> tuple[torch.nn.Module, dict, int]:
     """``steps`` L1 + fused-Adam steps of the device's net through the stack's guard, NaN inputs at
@@ -144,6 +153,8 @@ def test_device_guard_refusals_are_named() -> None:
     with pytest.raises(RecipeConflictError, match="GradScaler sets fused Adam's found_inf"):
         RecipeStack([FusedAdam(guard="device"), Amp("float16")])
     RecipeStack([FusedAdam(guard="device"), Amp("bfloat16")])
+    with pytest.raises(RecipeConflictError, match="each brings its own non-finite-loss guard"):
+        RecipeStack([FusedAdam(guard="device"), _GuardedRecipe()])
     with pytest.raises(RecipeConflictError, match="guard must be one of"):
         FusedAdam(guard="gpu")
     assert FusedAdam().describe()["guard"] == "host"
