@@ -217,6 +217,33 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
            "bench.timeout_s=420"]
 
 
+def fast_train_stack(best: tuple[str, ...]) -> tuple[str, ...]:
+    """``experiment=fast_train``'s recipes (with :data:`FAST_TRAIN_OPTIONS`) with CUDA-graph trees in place of
+    ``compile``: the fastest measured train step (round 13). The experiment itself ships ``compile``."""
+    return _with(_with(fast_sample_stack(best), "dense_conv_grads", after="narrow_conv_gemm"), "fused_adam",
+                 after="compile_cudagraphs")
+
+
+FAST_SAMPLE_OPTIONS = ("recipe.gather_upsample.forward=gather",)
+FAST_TRAIN_OPTIONS = (*FAST_SAMPLE_OPTIONS, "recipe.fused_groupnorm.ndhwc_backward=closed_form",
+                      "recipe.fused_adam.guard=device")
+
+
+def targets_ladder(best: tuple[str, ...]) -> Iterator[Job]:
+    """Issue 8's target table in one call: the final stacks (``experiment=fast_sample``'s and ``fast_train``'s,
+    graphed) against the strict-FP32 baseline of each workload, 128^3, batch 1. The FP32 250-step sample
+    (about 50 s on an H200) runs last, so a short budget cuts only it."""
+    sample, train = [_recipe(fast_sample_stack(best)), *FAST_SAMPLE_OPTIONS], [_recipe(fast_train_stack(best)),
+                                                                              *FAST_TRAIN_OPTIONS]
+    yield ["bench=denoise_step", "recipe=[]"]
+    yield ["bench=train_step", "recipe=[]"]
+    yield ["bench=denoise_step", *sample]
+    yield ["bench=train_step", *train]
+    yield ["bench=full_sample", "sampler=ddpm", *sample, "bench.iters=3"]
+    yield ["bench=full_sample", "sampler=dpm_solver_pp", "sampler.variant=sde", "sampler.steps=100", *sample]
+    yield ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]
+
+
 QUALITY_SAMPLERS = ("dpm_solver_pp", "ddim", "deis")
 QUALITY_STEPS = (10, 25, 50, 100)
 
@@ -236,7 +263,7 @@ def quality_ladder(best: tuple[str, ...], checkpoint: str | None) -> Iterator[Jo
               ("amp_bf16", "fused_groupnorm", "sdpa_attention"), best, layout]
     for stack in _unique(stacks):
         yield [*common, "bench=denoise_step", _recipe(stack)]
-    fast = [_recipe(fast_sample_stack(best)), "recipe.gather_upsample.forward=gather"]  # = experiment=fast_sample
+    fast = [_recipe(fast_sample_stack(best)), *FAST_SAMPLE_OPTIONS]  # = experiment=fast_sample
     yield [*common, "bench=denoise_step", *fast]
     sampling = [*common, "bench=full_sample", "bench.warmup=0", "bench.iters=2"]
     yield [*sampling, "sampler=ddpm", "recipe=[]"]
@@ -265,7 +292,7 @@ def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
 
 
 PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "core": core_ladder, "tuning": tuning_ladder,
-           "quality": quality_ladder, "smoke": smoke_ladder}
+           "targets": targets_ladder, "quality": quality_ladder, "smoke": smoke_ladder}
 
 
 def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:

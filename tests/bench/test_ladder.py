@@ -148,3 +148,29 @@ def test_quality_preset_ends_with_the_fast_sample_experiment(tmp_path):
     gated = compose_job(jobs_of("quality", tmp_path)[-1], tmp_path / "last")["config"]
     assert gated["recipe"] == OmegaConf.to_container(experiment.recipe, resolve=True)
     assert gated["sampler"] == OmegaConf.to_container(experiment.sampler, resolve=True)
+
+
+def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
+    """``preset=targets`` times exactly ``experiment=fast_sample``'s stack and ``fast_train``'s (graphed: compile's
+    options carried over to compile_cudagraphs), each workload next to its strict-FP32 baseline."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from bench.sweep import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        sample = compose("sample", overrides=["experiment=fast_sample", "checkpoint=x.pt"])
+        train = compose("train", overrides=["experiment=fast_train", "output_dir=/tmp/x"])
+    configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs_of("targets", tmp_path))]
+    workloads = [(c["bench"]["scenario"], c["sampler"]["name"]) for c in configs]
+    baselines = {w for w, c in zip(workloads, configs, strict=True) if not c.get("recipe")}
+    assert baselines == set(workloads) - {("full_sample", "dpm_solver_pp")}  # DDPM-250 is the fast sampler's baseline
+    sample_recipes = OmegaConf.to_container(sample.recipe, resolve=True)
+    train_recipes = OmegaConf.to_container(train.recipe, resolve=True)
+    train_recipes["compile_cudagraphs"] = {**configs[3]["recipe"]["compile_cudagraphs"],
+                                          "inductor": train_recipes.pop("compile")["inductor"]}
+    fast = [c for c in configs if c.get("recipe")]
+    assert [c["bench"]["scenario"] for c in fast] == ["denoise_step", "train_step", "full_sample", "full_sample"]
+    assert fast[1]["recipe"] == train_recipes
+    assert all(c["recipe"] == sample_recipes for c in (fast[0], *fast[2:]))
+    assert fast[3]["sampler"] == OmegaConf.to_container(sample.sampler, resolve=True)
