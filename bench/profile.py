@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import hashlib
 import re
 import shutil
 import subprocess
@@ -45,6 +46,7 @@ from bench.timing import synchronize
 from med_ddpm.utils import atomic_write_text, resolve_device
 
 NCU = "/usr/local/cuda/bin/ncu"
+SLUG_MAX = 160  # file names: 255 bytes at most, and atomic_write adds a dot, a random part and .json.tmp
 
 
 def _launchers(prof: torch.profiler.profile) -> dict[str, str]:
@@ -133,8 +135,10 @@ def profile_label(job: dict[str, Any]) -> str:
 
 
 def slug(record: dict) -> str:
-    """``<scenario>_<label>`` with every character a file name should not hold replaced by ``_``."""
-    return re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}").strip("_")
+    """``<scenario>_<label>`` with every character a file name should not hold replaced by ``_``; a label too long
+    for a file name (255 bytes, the atomic write's temp prefix included) keeps its head and a hash of the whole."""
+    name = re.sub(r"[^A-Za-z0-9_+-]+", "_", f"{record['scenario']}_{record['label']}").strip("_")
+    return name if len(name) <= SLUG_MAX else f"{name[:SLUG_MAX - 13]}_{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
 def write_outputs(out: Path, record: dict) -> Path:
