@@ -22,9 +22,9 @@ DRAM throughput and an instruction-pipe mix per kernel, parsed from ncu's CSV.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
-import hashlib
 import re
 import shutil
 import subprocess

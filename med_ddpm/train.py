@@ -113,6 +113,7 @@ def build(cfg: DictConfig) -> Job:
     check_compatible(dataset, cfg.model)
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
+    stack.require_training(cfg.train.grad_accum)
     net = build_model(cfg.model).to(device)
     rank0 = distributed.is_main()
     ema = new_ema(net, cfg.train.ema_decay) if rank0 else None

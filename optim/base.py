@@ -15,6 +15,7 @@ A recipe is a small object with the hooks a train/sample/bench loop actually has
 * ``loss_guard()``      the loop's non-finite-loss guard, when the recipe brings its own (fused Adam's
                           device-side skip); the stack's default reads the loss on the host;
 * ``supported(device)`` ``(ok, reason)`` so a stack refuses an impossible recipe up front;
+* ``supports_training(grad_accum)`` the same for the training loop's micro-batches per step;
 * ``describe()``        JSON-able record of what was applied, logged with every result.
 
 ``exact`` means bit-identical numerics to the strict-FP32 baseline; otherwise ``tolerance``
@@ -131,6 +132,10 @@ class Recipe:
 
     def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
         """Whether the recipe can run on ``device``; ``(False, reason)`` otherwise."""
+        return True, ""
+
+    def supports_training(self, grad_accum: int) -> tuple[bool, str]:
+        """Whether the training loop can run the recipe with ``grad_accum`` micro-batches per optimiser step."""
         return True, ""
 
     def options(self) -> dict[str, Any]:

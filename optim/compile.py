@@ -166,6 +166,16 @@ class Compile(Recipe):
         return _install(model, self.mode, self.fullgraph, self.dynamic, self.backend,
                         self.resolved_layout_optimization, self.effective_inductor())
 
+    def supports_training(self, grad_accum: int) -> tuple[bool, str]:
+        """CUDA-graph trees and gradient accumulation do not mix in torch 2.11 (PyTorch issue 169545): a later
+        micro-batch's replay reuses memory the earlier one's backward still needs (its gradients may be
+        accumulated wrongly); on the H200 ``med_ddpm.train`` with ``grad_accum=2`` failed in its first step."""
+        if self.mode == "reduce-overhead" and grad_accum > 1:
+            return False, ("CUDA-graph trees (mode=reduce-overhead) reuse a replay's memory on the next one, so "
+                           "gradients cannot be accumulated over micro-batches (PyTorch issue 169545); use "
+                           "train.grad_accum=1 with a larger train.batch_size, or the compile recipe")
+        return True, ""
+
     def request_inductor(self, requests: Mapping[str, Any]) -> None:
         """Other recipes' inductor config (``RecipeStack`` hands it over); ignored by other backends."""
         self.requested = dict(requests) if self.backend == "inductor" else {}

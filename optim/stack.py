@@ -152,6 +152,15 @@ class RecipeStack:
         if not ok:
             raise UnsupportedRecipeError(reason)
 
+    def require_training(self, grad_accum: int) -> None:
+        """Raise :class:`RecipeConflictError` with the reason of the first recipe the training loop cannot run
+        with ``grad_accum`` micro-batches per step."""
+        for recipe in self.recipes:
+            ok, reason = recipe.supports_training(grad_accum)
+            if not ok:
+                raise RecipeConflictError(f"recipe {recipe.name!r} cannot train with train.grad_accum={grad_accum}: "
+                                          f"{reason}")
+
     def session_flags(self) -> dict[str, Any]:
         """The global flags a session of this stack sets: the strict baseline, then each recipe's."""
         flags = dict(STRICT_FP32)

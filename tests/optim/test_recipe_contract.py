@@ -19,7 +19,7 @@ from conftest import LR, RECIPE_DIR, assert_close, tiny_batch, tiny_unet, train_
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from optim import DeviceInfo, Recipe, RecipeStack, UnsupportedRecipeError
+from optim import DeviceInfo, Recipe, RecipeConflictError, RecipeStack, UnsupportedRecipeError
 
 DEVICES = [DeviceInfo("cpu"), DeviceInfo("cuda", (7, 0), "Tesla V100"), DeviceInfo("cuda", (9, 0), "H200")]
 
@@ -81,6 +81,13 @@ def test_recipe_contract(path: Path, baseline) -> None:
         if not ok:
             with pytest.raises(UnsupportedRecipeError, match=reason.split(";")[0][:40]):
                 stack.require(device)
+
+    for grad_accum in (1, 2):  # the training loop's micro-batches: one always works; a refusal says why
+        ok, reason = recipe.supports_training(grad_accum)
+        assert isinstance(ok, bool) and isinstance(reason, str) and (ok or (reason and grad_accum > 1))
+        if not ok:
+            with pytest.raises(RecipeConflictError, match=f"cannot train with train.grad_accum={grad_accum}"):
+                stack.require_training(grad_accum)
 
     ok, reason = stack.supported("cpu")
     if not ok:
