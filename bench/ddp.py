@@ -33,6 +33,7 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.data import default_collate
 
 from bench.records import IDENTITY_FIELDS, MEASURED_FIELDS, RESULTS_FILE, append_row, read_rows
+from bench.sweep import recipe_options
 from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from bench.worker import classify
 from med_ddpm import distributed
@@ -40,7 +41,7 @@ from med_ddpm.train import CONFIG_DIR, Job, build, train_step
 from med_ddpm.utils import env_info
 
 SCENARIO = "ddp_train_step"
-WORKLOAD_FIELDS = (*IDENTITY_FIELDS, "grad_accum", "recipes")  # rows that share these are comparable
+WORKLOAD_FIELDS = (*IDENTITY_FIELDS, "grad_accum", "recipes", "recipe_options")  # rows that share these are comparable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,15 +97,18 @@ def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> float | None:
     if not path.exists():
         return None
     same = [r for r in read_rows(path) if r.get("scenario") == SCENARIO and r.get("status") == "ok"
-            and r.get("world_size") == 1 and all(r.get(k) == row[k] for k in WORKLOAD_FIELDS)]
+            and r.get("world_size") == 1 and all(r.get(k) == row[k] for k in WORKLOAD_FIELDS if k != "recipe_options")
+            and (r.get("recipe_options") or []) == row["recipe_options"]]  # rows before options were recorded: none
     return same[-1]["volumes_per_s"] if same else None
 
 
 def base_row(cfg, model_name: str | None, world: int) -> dict[str, Any]:
+    recipes = OmegaConf.to_container(cfg.get("recipe") or {}, resolve=True)
     return {
         "scenario": SCENARIO, "model": model_name, "image_size": list(cfg.model.image_size),
         "batch_size": int(cfg.train.batch_size), "grad_accum": int(cfg.train.grad_accum),
-        "sampler": None, "steps": None, "recipes": list(cfg.get("recipe") or {}), "world_size": world,
+        "sampler": None, "steps": None, "recipes": list(recipes),
+        "recipe_options": recipe_options(recipes), "world_size": world,
         **dict.fromkeys(MEASURED_FIELDS), "status": "error", "message": "", "quality": None,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }

@@ -29,3 +29,19 @@ def test_ddp_bench_writes_a_scaling_row(tmp_path):
     assert row["volumes_per_s"] == pytest.approx(2 * row["volumes_per_s_per_gpu"])
     assert row["scaling_efficiency"] == pytest.approx(row["volumes_per_s"] / (2 * 2.0))
     assert row["env"]["torch"] and row["config"]["train"]["batch_size"] == 1
+
+
+def test_rows_record_recipe_options_and_baselines_match_them(tmp_path):
+    """Two stacks that differ only in an option are two workloads; a row from before options were recorded
+    is the baseline of a stack without options only."""
+    from bench.ddp import base_row, baseline_volumes_per_s, compose_config
+    from bench.records import append_row
+
+    plain_cfg, model = compose_config([*SMALL, "recipe=[fused_adam]"], tmp_path)
+    device_cfg, _ = compose_config([*SMALL, "recipe=[fused_adam]", "recipe.fused_adam.guard=device"], tmp_path)
+    plain, guarded = base_row(plain_cfg, model, 1), base_row(device_cfg, model, 1)
+    assert plain["recipe_options"] == [] and guarded["recipe_options"] == ['fused_adam.guard="device"']
+    old = {k: v for k, v in plain.items() if k != "recipe_options"}  # a row written before this field existed
+    append_row(tmp_path / "results.jsonl", old | {"status": "ok", "volumes_per_s": 3.0})
+    assert baseline_volumes_per_s(tmp_path / "results.jsonl", plain) == 3.0
+    assert baseline_volumes_per_s(tmp_path / "results.jsonl", guarded) is None
