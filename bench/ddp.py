@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 from torch.utils.data import default_collate
 
-from bench.records import IDENTITY_FIELDS, MEASURED_FIELDS, RESULTS_FILE, append_row, read_rows
+from bench.records import MEASURED_FIELDS, RESULTS_FILE, append_row, job_key, read_rows
 from bench.sweep import recipe_options
 from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from bench.worker import classify
@@ -41,7 +41,6 @@ from med_ddpm.train import CONFIG_DIR, Job, build, train_step
 from med_ddpm.utils import env_info
 
 SCENARIO = "ddp_train_step"
-WORKLOAD_FIELDS = (*IDENTITY_FIELDS, "grad_accum", "recipes", "recipe_options")  # rows that share these are comparable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,8 +96,7 @@ def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> float | None:
     if not path.exists():
         return None
     same = [r for r in read_rows(path) if r.get("scenario") == SCENARIO and r.get("status") == "ok"
-            and r.get("world_size") == 1 and all(r.get(k) == row[k] for k in WORKLOAD_FIELDS if k != "recipe_options")
-            and (r.get("recipe_options") or []) == row["recipe_options"]]  # rows before options were recorded: none
+            and r.get("world_size") == 1 and r.get("grad_accum") == row["grad_accum"] and job_key(r) == job_key(row)]
     return same[-1]["volumes_per_s"] if same else None
 
 
