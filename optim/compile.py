@@ -168,8 +168,8 @@ class Compile(Recipe):
 
     def supports_training(self, grad_accum: int) -> tuple[bool, str]:
         """CUDA-graph trees and gradient accumulation do not mix in torch 2.11 (PyTorch issue 169545): a later
-        micro-batch's replay reuses memory the earlier one's backward still needs (its gradients may be
-        accumulated wrongly); on the H200 ``med_ddpm.train`` with ``grad_accum=2`` failed in its first step."""
+        micro-batch's replay reuses memory the earlier one's backward still needs (PyTorch issue 96693 reports
+        gradients accumulated wrongly with no error); on the H200 ``med_ddpm.train`` with ``grad_accum=2`` failed in its first step."""
         if self.mode == "reduce-overhead" and grad_accum > 1:
             return False, ("CUDA-graph trees (mode=reduce-overhead) reuse a replay's memory on the next one, so "
                            "gradients cannot be accumulated over micro-batches (PyTorch issue 169545); use "
