@@ -76,10 +76,8 @@ def _gpu_events(prof: torch.profiler.profile) -> list[Any]:
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e)]
 
 
-def _events(prof: torch.profiler.profile, device: torch.device) -> list[tuple[str, float]]:
-    """(name, µs) of every GPU kernel/memcpy on CUDA; of every operator's self CPU time on CPU."""
-    if device.type == "cuda":
-        return [(e.name, e.time_range.elapsed_us()) for e in _gpu_events(prof)]
+def _cpu_events(prof: torch.profiler.profile) -> list[tuple[str, float]]:
+    """(name, µs) of every operator's self CPU time: the breakdown on a CPU, where there are no kernels."""
     return [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
 
 
@@ -100,9 +98,11 @@ def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[
                 step()
             synchronize(device)
     if device.type != "cuda":
-        return _events(prof, device), {}, None
-    spans = [(e.time_range.start, e.time_range.end) for e in _gpu_events(prof)]
-    return _events(prof, device), _launchers(prof), kernels.timeline(spans, int(p["steps"]))
+        return _cpu_events(prof), {}, None
+    gpu = _gpu_events(prof)  # (name, µs) of every kernel/memcpy, and their spans for the timeline
+    events = [(e.name, e.time_range.elapsed_us()) for e in gpu]
+    spans = [(e.time_range.start, e.time_range.end) for e in gpu]
+    return events, _launchers(prof), kernels.timeline(spans, int(p["steps"]))
 
 
 def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], device: torch.device,

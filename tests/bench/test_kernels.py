@@ -121,6 +121,17 @@ def test_profiles_of_one_stack_at_two_batch_sizes_get_two_labels_and_files():
     assert slug({"scenario": "denoise_step", "label": four}) == "denoise_step_amp_bf16_batch_4"
 
 
+def test_a_label_too_long_for_a_file_name_keeps_its_head_and_a_hash(tmp_path):
+    """The final train stack's label with three options passed 255 bytes on the H200 (round 14)."""
+    from bench.profile import SLUG_MAX, slug, write_outputs
+
+    stack = "+".join(["amp_bf16", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample"] * 4)
+    one, two = (slug({"scenario": "train_step", "label": f"{stack} [guard={g}]"}) for g in ("host", "device"))
+    assert len(one) == len(two) == SLUG_MAX and one != two and one[:100] == two[:100]
+    written = write_outputs(tmp_path, {"scenario": "train_step", "label": f"{stack} [guard=host]"})
+    assert (tmp_path / f"{one}.json").exists() and written.exists()
+
+
 def test_timeline_merges_streams_and_splits_idle_into_launch_gaps_and_host_waits():
     """Two steps; overlapping kernels (two streams) count once; 2 µs gaps are launch latency, 40 µs a host wait."""
     step = [(0.0, 100.0), (50.0, 120.0), (122.0, 200.0), (240.0, 300.0)]  # busy 200 + 60, gaps 2 and 40
