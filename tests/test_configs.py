@@ -96,8 +96,8 @@ def test_every_target_is_importable():
 
 
 def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
-    """``experiment=fast_sample`` names exactly what passed the H200 quality gate (SDE-DPM-Solver++,
-    100 steps) and the fastest measured forward stack; the default stays the exact FP32 path."""
+    """``experiment=fast_sample`` names the sampler that passed the quality gate (SDE-DPM-Solver++, 100 steps)
+    and the fastest measured forward stack; the default stays the exact FP32 path."""
     from med_ddpm.samplers import sampler_from_config
     from optim import RecipeStack
 
@@ -114,8 +114,8 @@ def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
 
 
 def test_fast_train_is_the_gather_channels_last_compiled_stack():
-    """``experiment=fast_train`` is round 6's fastest train step: channels-last needs ``gather_upsample`` (its
-    atomic trilinear backward costs 16.4 ms otherwise); the default stays the exact FP32 path."""
+    """``experiment=fast_train`` is the fastest measured train stack: channels-last needs ``gather_upsample``
+    (the atomic trilinear backward is slow in NDHWC); the default stays the exact FP32 path."""
     cfg = compose_cfg("train", ["experiment=fast_train", "output_dir=/tmp/x"])
     recipes = {r.name: r for r in RecipeStack.from_config(cfg.recipe).recipes}
     names = list(recipes)
