@@ -28,6 +28,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -37,7 +38,8 @@ FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 HYDRA_MAIN = re.compile(r'@hydra\.main\([^)]*config_name="([^"]+)"')
 PYTHONS = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
 ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-HYDRA_FLAGS = {"-m", "--multirun"}
+HYDRA_FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help"}
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 
 # Commands that are known to be stale, each with the work that fixes it (non-strict: they pass once fixed).
 KNOWN_STALE = {
@@ -145,10 +147,44 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+def hydra_overrides(args: list[str]) -> list[str]:
+    """The overrides of a Hydra command line, without Hydra's own flags (``-m``, ``--cfg job`` ...)."""
+    overrides, skip = [], False
+    for arg in args:
+        if skip or arg in HYDRA_FLAGS:
+            skip = False
+        elif arg in HYDRA_FLAGS_WITH_VALUE:
+            skip = True
+        else:
+            overrides.append(arg)
+    return overrides
+
+
+def has_submitit() -> bool:
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def without_slurm_launcher(overrides: list[str]) -> list[str]:
+    """Without the submitit plugin (the ``sweep`` extra) Hydra cannot load the Slurm launcher: check that each
+    ``hydra.launcher.<key>`` is a key of ``configs/hydra/launcher/slurm.yaml`` and compose the rest."""
+    keys = OmegaConf.load(CONFIGS / "hydra" / "launcher" / "slurm.yaml")
+    rest = []
+    for override in overrides:
+        key = override.partition("=")[0]
+        if key.startswith("hydra.launcher."):
+            assert key.removeprefix("hydra.launcher.") in keys, f"{key} is not in configs/hydra/launcher/slurm.yaml"
+        elif key != "hydra/launcher":
+            rest.append(override)
+    return rest
+
+
 def check_hydra(config_name: str, args: list[str]) -> int:
-    overrides = [a for a in args if a not in HYDRA_FLAGS]
-    if any(a.startswith("hydra/launcher=slurm") for a in overrides):
-        pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the sweep extra")
+    overrides = hydra_overrides(args)
+    if "hydra/launcher=slurm" in overrides and not has_submitit():
+        overrides = without_slurm_launcher(overrides)
     jobs = sweep_jobs(overrides)
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         for job in jobs:
@@ -220,6 +256,7 @@ python -m not.a.shell.block
                      [".venv/bin/python", "-m", "bench.sweep", "-m", "recipe=[],[tf32]", "bench=train_step"],
                      ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "med_ddpm.train", "train.max_steps=1"]]
     assert [n for n, _ in lines][:2] == [3, 4]
+    assert hydra_overrides(["-m", "a=1", "--cfg", "job", "b=[x,y]"]) == ["a=1", "b=[x,y]"]
     assert sweep_jobs(["recipe=[],[tf32]", "bench=train_step"]) == [["recipe=[]", "bench=train_step"],
                                                                       ["recipe=[tf32]", "bench=train_step"]]
 
@@ -232,6 +269,8 @@ def test_a_stale_command_fails():
         check_hydra("train", ["experiment=smoke", "data.no_such_key=1"])
     with pytest.raises(ConfigCompositionException):
         check_hydra("train", ["recipe=[no_such_recipe]"])
+    with pytest.raises(AssertionError, match="hydra.launcher.no_such_key"):
+        without_slurm_launcher(["hydra/launcher=slurm", "hydra.launcher.no_such_key=1"])
     if shutil.which("make"):
         with pytest.raises(AssertionError, match="no_such_target"):
             check_make(("make", "no_such_target"))
