@@ -6,7 +6,8 @@ The commands are the lines of the fenced code blocks (bash, sh, shell, console o
 * a module with ``@hydra.main`` (``med_ddpm.train``, ``med_ddpm.sample``, ``bench.sweep`` ...) is composed
   in-process with the command's overrides, every job of a multirun sweep (``-m 'recipe=[],[tf32]'``) apart,
   so an unknown key, group option or a key missing from the selected data config fails here;
-* ``make TARGET`` must exist in the Makefile (``make -n``, which runs nothing);
+* ``make TARGET`` must exist in the Makefile (``make -n``, which runs nothing), and the project commands its
+  recipe would run are checked in turn;
 * any other module must exist and, where it has ``parse_args``, accept the arguments (a ``preset=`` must be
   one of its ``PRESETS``).
 
@@ -201,27 +202,41 @@ def check_module(module: str, args: list[str]) -> None:
             assert preset in mod.PRESETS, f"{module}: unknown preset {preset!r}"
 
 
-def check_make(argv) -> None:
-    """``make -n`` (print, run nothing) with the command's targets, variables and leading assignments."""
+def check_make(argv) -> list[list[str]]:
+    """``make -n`` (print, run nothing) with the command's targets, variables and leading assignments; returns
+    the project commands the recipe would run, so they are checked as well."""
     argv = list(argv)
     make_args = [*without_env(argv)[1:], *argv[:len(argv) - len(without_env(argv))]]
     done = subprocess.run(["make", "-n", *make_args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"make -n {' '.join(make_args)}: {done.stderr.strip()}"
+    recipe = []
+    for line in done.stdout.splitlines():
+        try:
+            recipe += [a for a in commands_in(line) if is_project_command(a) and without_env(a)[0] != "make"]
+        except ValueError:  # shell syntax shlex does not read (braces, here-docs): not a project command
+            continue
+    return recipe
 
 
-@pytest.mark.parametrize("command", [as_param(c) for c in COMMANDS])
-def test_command_works_as_written(command: Command):
-    if without_env(command.argv)[0] == "make":
-        if shutil.which("make") is None:
-            pytest.skip("make is not installed")
-        check_make(command.argv)
-        return
-    module, args = split_module(command.argv)
+def check_python(argv) -> None:
+    """A ``python -m`` or ``torchrun -m`` command: compose it (Hydra) or parse its arguments."""
+    module, args = split_module(tuple(argv))
     config_name = hydra_config_name(module)
     if config_name is None:
         check_module(module, args)
     else:
         assert check_hydra(config_name, args) >= 1
+
+
+@pytest.mark.parametrize("command", [as_param(c) for c in COMMANDS])
+def test_command_works_as_written(command: Command):
+    if without_env(command.argv)[0] != "make":
+        check_python(command.argv)
+        return
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    for argv in check_make(command.argv):
+        check_python(argv)
 
 
 def test_readme_shows_the_quick_start():
