@@ -166,14 +166,15 @@ def rule_savings(rules: list[dict], launches: list[dict], steps: int, top: int =
             for (rule, kind), e in ranked]
 
 
-def summarise(launches: list[dict], rules: list[dict], steps: int, top_stalls: int) -> dict[str, Any]:
-    """The row's ``counters`` field: totals overall and per category (every category present), rule savings."""
+def summarise(launches: list[dict], rules: list[dict] | None, steps: int, top_stalls: int) -> dict[str, Any]:
+    """The row's ``counters`` field: totals overall and per category (every category present), and the rule
+    savings (None when rules were not collected)."""
     by_cat: dict[str, list[dict]] = defaultdict(list)
     for x in launches:
         by_cat[x["category"]].append(x)
     return {"steps": steps, "overall": totals(launches, steps, top_stalls),
             "categories": {c: totals(by_cat[c], steps, top_stalls) for c in CATEGORIES},
-            "rules": rule_savings(rules, launches, steps) if rules else None}
+            "rules": None if rules is None else rule_savings(rules, launches, steps)}
 
 
 def kernel_table(launches: list[dict], top_stalls: int = 1) -> str:
@@ -216,6 +217,16 @@ def profiled_step(job_path: Path) -> int:
 
 
 # ---------------------------------------------------------------------------- one job
+def check_options(c: Mapping[str, Any]) -> None:
+    """Bad ``counters.*`` values end the command with one line that names the option (SystemExit)."""
+    unknown = sorted(set(c["metrics"]) - set(FIELDS))
+    if unknown:
+        raise SystemExit(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
+                         f"use one of {', '.join(FIELDS)}")
+    if int(c["steps"]) < 1 or int(c["warmup"]) < 0:
+        raise SystemExit(f"counters.steps={c['steps']} / counters.warmup={c['warmup']}: need steps >= 1 and warmup >= 0")
+
+
 def platform_fields() -> dict[str, Any]:
     """The kernel release (``uname -r``): Firecracker guests carry ``-fc-``, where the device tool's
     H200 lends its counters; gVisor, which refuses them, reports its own fixed release."""
@@ -267,7 +278,8 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
                               "replay_passes": median(passes) if passes else None}
     failed = outcome(run, timeout_s)
     if failed is None and not report.exists():
-        failed = "error", f"ncu wrote no report {report.name}: {'; '.join(ncu.error_lines(run.log)) or 'see ncu log'}"
+        said = ncu.error_lines(run.log) + ncu.error_lines(run.log, "WARNING")
+        failed = "error", f"ncu wrote no report {report.name}: {'; '.join(said) or f'see {name}.ncu.log'}"
     if failed:
         return {**fields, "status": failed[0], "message": failed[1]}
     raw, _units = ncu.parse_raw(ncu.run(ncu.import_command(ncu_path, report, "raw"), timeout_s).log)
@@ -276,7 +288,7 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
         return {**fields, "status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} "
                 f"was profiled (kernel_filter={c['kernel_filter']}); see {name}.ncu.log"}
     rules = ncu.parse_rules(ncu.run(ncu.import_command(ncu_path, report, "details"), timeout_s).log) \
-        if c["rules"] else []
+        if c["rules"] else None
     if not c["keep_report"]:
         report.unlink()
     atomic_write_text(out / f"{name}_kernels.csv", kernel_table(launches))
@@ -331,6 +343,7 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     job = {**job_spec(cfg, hc.runtime.choices.get("model") or "model"), "experiment": hc.runtime.choices.get("experiment")}
     c = job["config"]["counters"]
+    check_options(c)
     out = Path(c["out"] or sweep_dir_of(hc))
     label = f"{job['config']['bench']['scenario']} {profile_label(job)}"
     left = time_left(c["budget_s"])

@@ -107,9 +107,10 @@ def import_command(ncu: str, report: Path, page: str) -> list[str]:
             "--print-kernel-base", "demangled"]
 
 
-def error_lines(log: str) -> list[str]:
-    """ncu's ``==ERROR==`` lines (its reasons), without the prefix."""
-    return [line.split("==ERROR==", 1)[1].strip() for line in log.splitlines() if "==ERROR==" in line]
+def error_lines(log: str, tag: str = "ERROR") -> list[str]:
+    """ncu's ``==ERROR==`` (or ``==WARNING==``, ...) lines, its reasons, without the prefix."""
+    mark = f"=={tag}=="
+    return [line.split(mark, 1)[1].strip() for line in log.splitlines() if mark in line]
 
 
 def unavailable_reason(log: str) -> str | None:

@@ -250,3 +250,12 @@ def test_profiled_step_job_round_trips(fake_ncu, tmp_path):
     counters.collect(j, tmp_path, fake_ncu, timeout_s=60)
     saved = json.loads((tmp_path / f"{counters.file_slug(j)}.job.json").read_text())
     assert saved["config"]["counters"]["steps"] == 2 and saved["config"]["bench"]["scenario"] == "denoise_step"
+
+
+def test_bad_counter_options_end_with_one_line():
+    c = job()["config"]["counters"]
+    with pytest.raises(SystemExit, match=r"counters.metrics.cycles is not a field"):
+        counters.check_options({**c, "metrics": {**c["metrics"], "cycles": "sm__cycles_elapsed.max"}})
+    with pytest.raises(SystemExit, match=r"counters.steps=0"):
+        counters.check_options({**c, "steps": 0})
+    counters.check_options(c)  # the shipped config is valid
