@@ -5,21 +5,26 @@ Nsight Compute: it prints the committed fixture pages, or ncu's errors."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
+import re
+import shlex
 import stat
 import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from bench import counter_claims, counters, ncu
 from bench.records import append_row, read_rows
 from bench.sweep import job_spec
 from bench.worker import base_row
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
 FIXTURES = Path(__file__).parent / "fixtures" / "ncu"
 RAW, DETAILS = (FIXTURES / "raw.csv").read_text(), (FIXTURES / "details.csv").read_text()
 DURATIONS = [400_000, 100_000, 200_000, 300_000, 50_000, 25_000, 20_000, 10_000, 15_000]  # ns, in fixture order
@@ -259,3 +264,22 @@ def test_bad_counter_options_end_with_one_line():
     with pytest.raises(SystemExit, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
     counters.check_options(c)  # the shipped config is valid
+
+
+def doc_commands() -> list[list[str]]:
+    """The ``python -m bench.counters`` commands of docs/counters.md, as argument lists."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "docs" / "counters.md").read_text(), re.S)
+    return [shlex.split(line)[3:] for block in blocks for line in block.splitlines()
+            if line.startswith("python -m bench.counters ")]
+
+
+@pytest.mark.parametrize("args", doc_commands(), ids=" ".join)
+def test_documented_commands_compose(args):
+    overrides = OverridesParser.create().parse_overrides([a for a in args if a != "-m"])
+    choices = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+               else [o.input_line] for o in overrides]
+    for combo in itertools.product(*choices):
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            cfg = compose(config_name="counters", overrides=[*combo, "output_dir=/tmp/x"])
+        counters.check_options(cfg.counters)
+        assert cfg.bench.scenario in ("train_step", "denoise_step", "full_sample")
