@@ -282,18 +282,27 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
         failed = "error", f"ncu wrote no report {report.name}: {'; '.join(said) or f'see {name}.ncu.log'}"
     if failed:
         return {**fields, "status": failed[0], "message": failed[1]}
-    raw, _units = ncu.parse_raw(ncu.run(ncu.import_command(ncu_path, report, "raw"), timeout_s).log)
+    keep = c["keep_report"]
+    raw, _units = ncu.parse_raw(page(ncu_path, report, "raw", timeout_s, keep))
     launches = [launch_values(x, c["metrics"], c["stalls"]) for x in raw]
     if not launches:
         return {**fields, "status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} "
                 f"was profiled (kernel_filter={c['kernel_filter']}); see {name}.ncu.log"}
-    rules = ncu.parse_rules(ncu.run(ncu.import_command(ncu_path, report, "details"), timeout_s).log) \
-        if c["rules"] else None
-    if not c["keep_report"]:
+    rules = None
+    if c["rules"]:
+        rules = ncu.parse_rules(page(ncu_path, report, "details", timeout_s, keep))
+    if not keep:
         report.unlink()
     atomic_write_text(out / f"{name}_kernels.csv", kernel_table(launches))
     counters = summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))
     return {**fields, "status": "ok", "message": "", "kernels_csv": f"{name}_kernels.csv", "counters": counters}
+
+
+def page(ncu_path: str, report: Path, kind: str, timeout_s: float, keep: bool) -> str:
+    """One CSV page (``raw``, ``details``) of the report, kept as ``<slug>_<kind>.csv`` when ``keep``
+    (the source of the test fixtures)."""
+    saved = report.with_name(f"{report.stem}_{kind}.csv") if keep else None
+    return ncu.run(ncu.import_command(ncu_path, report, kind), timeout_s, saved).log
 
 
 def file_slug(job: Mapping[str, Any]) -> str:

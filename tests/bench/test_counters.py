@@ -108,6 +108,18 @@ def test_unavailable_reasons_and_passes():
     assert ncu.replay_passes('==PROF== Profiling "k" - 3: 0%....100% - 9 passes\nother 4 passes') == [9]
 
 
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("h200_*_raw.csv")), ids=lambda p: p.name)
+def test_captured_h200_pages_parse_and_categorise(path):
+    """Pages trimmed from a device run (``counters.keep_report=true``): every launch has a duration and
+    SM cycles, and every cuDNN/CUTLASS convolution kernel gets a direction."""
+    launches, units = ncu.parse_raw(path.read_text())
+    assert launches and units["gpu__time_duration.sum"] == "nsecond"
+    assert all(x["gpu__time_duration.sum"] > 0 and x["gpc__cycles_elapsed.max"] > 0 for x in launches)
+    for x in launches:
+        if re.search(r"xmma_(fprop|dgrad|wgrad)", x["Kernel Name"]):
+            assert counters.category(x["Kernel Name"]).startswith("conv ") and "not named" not in counters.category(x["Kernel Name"])
+
+
 # ---------------------------------------------------------------------------- categories and totals
 def test_categories_of_real_kernel_names():
     launches, _ = ncu.parse_raw(RAW)
@@ -186,7 +198,16 @@ def test_collect_reads_the_report_and_writes_the_kernel_table(fake_ncu, tmp_path
     assert fields["counters"]["overall"]["sm_cycles"] == pytest.approx(16_596_000)
     assert fields["counters"]["rules"][0]["rule"] == "CPIStall"
     assert (out / fields["kernels_csv"]).exists()
-    assert not list(out.glob("*.ncu-rep"))  # read, then deleted (counters.keep_report=false)
+    assert not list(out.glob("*.ncu-rep")) and not list(out.glob("*_raw.csv"))  # counters.keep_report=false
+
+
+def test_keep_report_keeps_the_pages_read(fake_ncu, tmp_path):
+    j = job("counters.keep_report=true", "counters.rules=true")
+    counters.collect(j, tmp_path, fake_ncu, timeout_s=60)
+    name = counters.file_slug(j)
+    assert (tmp_path / f"{name}.ncu-rep").exists()
+    assert ncu.parse_raw((tmp_path / f"{name}_raw.csv").read_text())[0] == ncu.parse_raw(RAW)[0]
+    assert ncu.parse_rules((tmp_path / f"{name}_details.csv").read_text()) == ncu.parse_rules(DETAILS)
 
 
 def test_gvisor_profiler_failure_is_an_unsupported_row(fake_ncu, tmp_path, monkeypatch):
