@@ -94,7 +94,7 @@ def claims_table(stacks: list[dict[str, Any]]) -> list[str]:
     if base is None:
         return lines + ["No strict-FP32 row for this workload in the file: no factors (run `recipe=[]` too).", ""]
     b = base["counters"]["overall"]
-    lines += ["| stack | kernel time | SM cycles reduction | instruction reduction | tensor-pipe use | IPC change |",
+    lines += ["| stack | kernel time reduction | SM cycles reduction | instruction reduction | tensor-pipe use | IPC change |",
               "|---|---|---|---|---|---|",
               f"| {STUDY['label']} | | {STUDY['sm_cycles']} | {STUDY['inst']} | {STUDY['tensor']} | {STUDY['ipc']} |",
               f"| fp32 (baseline: {b['duration_ns'] / 1e6:.2f} ms, {_m(b['sm_cycles'])} M cycles, "
@@ -104,22 +104,23 @@ def claims_table(stacks: list[dict[str, Any]]) -> list[str]:
             continue
         c = compare(row, base)
         tensor = f"{_x(c['tensor'])} ({_pct(c['tensor_pct'])})" if c["tensor"] is not None else _pct(c["tensor_pct"])
-        lines.append(f"| {stack_label(row)} | {_x(c['time'])} faster | {_x(c['sm_cycles'])} | {_x(c['inst'])} | "
+        lines.append(f"| {stack_label(row)} | {_x(c['time'])} | {_x(c['sm_cycles'])} | {_x(c['inst'])} | "
                      f"{tensor} | {_pct(c['ipc'], signed=True)} |")
     return lines + [""]
 
 
 def category_table(row: dict[str, Any]) -> list[str]:
-    """Markdown lines: per kernel category of one stack, time, counters and top stall reasons (per step)."""
+    """Markdown lines: per kernel category of one stack, longest first, time, counters and top stall reasons
+    (per step)."""
     cats = row["counters"]["categories"]
     total = row["counters"]["overall"]["duration_ns"] or 1.0
     lines = [f"#### {stack_label(row)}: {workload_title(row)}", "",
              "| category | launches | ms | share | M SM cycles | M inst | tensor pipe | IPC | DRAM | L2 | occupancy "
              "| top stalls (cycles/inst) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, t in cats.items():
+    for name, t in sorted(cats.items(), key=lambda kv: -(kv[1]["duration_ns"] or 0)):
         if not t["launches"]:
             continue
-        stalls = ", ".join(f"{r} {v:.1f}" for r, v in t["top_stalls"].items())
+        stalls = ", ".join(f"{r} {v:.1f}" for r, v in t["top_stalls"])
         lines.append(f"| {name} | {t['launches']:.0f} | {(t['duration_ns'] or 0) / 1e6:.3f} | "
                      f"{(t['duration_ns'] or 0) / total:.1%} | {_m(t['sm_cycles'])} | {_m(t['inst_executed'])} | "
                      f"{_pct(t['tensor_pipe_pct'])} | {t['ipc'] or 0:.2f} | {_pct(t['dram_pct'])} | {_pct(t['l2_pct'])} | "

@@ -121,7 +121,8 @@ def _weighted(launches: list[dict], field: str, weight: str) -> float | None:
 def totals(launches: list[dict], steps: int = 1, top_stalls: int = 3) -> dict[str, Any]:
     """Fields of a set of launches, per step: counts summed; percentages weighted by kernel time; IPC as
     all instructions over all active cycles (each launch's inst / ipc); stall reasons weighted by
-    instructions (total stall cycles per issued instruction). A field no launch had is None."""
+    instructions (total stall cycles per issued instruction), the ``top_stalls`` largest as [reason, value]
+    pairs. A field no launch had is None."""
     out: dict[str, Any] = {"launches": len(launches) / steps}
     for field in SUMMED:
         value = _sum(launches, field)
@@ -139,8 +140,8 @@ def totals(launches: list[dict], steps: int = 1, top_stalls: int = 3) -> dict[st
     for x in launches:
         for reason, per_inst in x["stalls"].items():
             cycles[reason] += per_inst * (x.get("inst_executed") or 0)
-    ranked = sorted(cycles.items(), key=lambda kv: -kv[1])[:top_stalls]
-    out["top_stalls"] = {r: c / counted for r, c in ranked} if counted else {}
+    ranked = sorted(((r, c) for r, c in cycles.items() if c > 0), key=lambda kv: -kv[1])[:top_stalls]
+    out["top_stalls"] = [[r, c / counted] for r, c in ranked]  # a list: the row's JSON sorts dict keys
     return out
 
 
@@ -189,7 +190,7 @@ def kernel_table(launches: list[dict], top_stalls: int = 1) -> str:
     rows = [{**totals(group, 1, top_stalls), "kernel": kernels.short_name(name, 200), "category": group[0]["category"]}
             for name, group in by_name.items()]
     for row in sorted(rows, key=lambda r: -(r["duration_ns"] or 0)):
-        row["top_stall"] = next(iter(row["top_stalls"]), "")
+        row["top_stall"] = row["top_stalls"][0][0] if row["top_stalls"] else ""
         writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
     return buf.getvalue()
 

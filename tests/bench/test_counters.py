@@ -156,9 +156,11 @@ def test_category_stalls_are_instruction_weighted_and_ranked():
     cfg = job()["config"]
     summary = counters.summarise(values(cfg), [], steps=1, top_stalls=3)
     assert list(summary["categories"]) == list(counters.CATEGORIES)
-    assert summary["categories"]["conv wgrad"]["top_stalls"] == {"barrier": 6.0, "long_scoreboard": 2.0, "wait": 1.0}
+    assert summary["categories"]["conv wgrad"]["top_stalls"] == [["barrier", 6.0], ["long_scoreboard", 2.0], ["wait", 1.0]]
     fprop_dgrad = counters.totals([x for x in values(cfg) if x["category"] in ("conv fprop", "conv dgrad")], 1, 1)
-    assert fprop_dgrad["top_stalls"] == {"long_scoreboard": pytest.approx((4 * 2e6 + 3 * 1e6) / 3e6)}
+    assert fprop_dgrad["top_stalls"] == [["long_scoreboard", pytest.approx((4 * 2e6 + 3 * 1e6) / 3e6)]]
+    elementwise = summary["categories"]["elementwise"]["top_stalls"]
+    assert [r for r, _ in elementwise] == ["long_scoreboard", "wait"]  # its barrier stall is 0: not listed
     assert summary["categories"]["conv (direction not named)"]["launches"] == 0
     assert summary["categories"]["conv (direction not named)"]["sm_cycles"] is None
 
@@ -259,9 +261,11 @@ def test_claim_table_sets_stacks_against_strict_fp32(fake_ncu, tmp_path):
     for row in (base, tf32):
         append_row(tmp_path / counter_claims.ROWS_FILE, row)
     text = counter_claims.write(tmp_path).read_text()
-    assert "| tf32 | 1x faster | 4x | 2x | 3x (" in text and "| +7.0% |" in text
+    assert "| tf32 | 1x | 4x | 2x | 3x (" in text and "| +7.0% |" in text
     assert counter_claims.STUDY["label"] in text
     assert "#### tf32: train_step 8x8x8, batch 1" in text and "| conv wgrad | 1 | 0.300 |" in text
+    fprop, wgrad = text.index("| conv fprop | 1 | 0.400 |"), text.index("| conv wgrad | 1 | 0.300 |")
+    assert fprop < wgrad and "barrier 6.0, long_scoreboard 2.0, wait 1.0" in text[wgrad:]  # longest first, ranked
     assert (tmp_path / counter_claims.PLOT).stat().st_size > 0
 
 
