@@ -4,6 +4,7 @@ Nsight Compute: it prints the committed fixture pages, or ncu's errors."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -308,3 +309,19 @@ def test_documented_commands_compose(args):
             cfg = compose(config_name="counters", overrides=[*combo, "output_dir=/tmp/x"])
         counters.check_options(cfg.counters)
         assert cfg.bench.scenario in ("train_step", "denoise_step", "full_sample")
+
+
+def test_profiled_step_wraps_only_the_measured_calls_in_the_range(tmp_path, monkeypatch):
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_step(cfg, device):
+        yield (lambda: events.append("step")), None
+
+    monkeypatch.setattr(counters, "prepared_step", fake_step)
+    monkeypatch.setattr(counters.torch.cuda.nvtx, "range_start", lambda msg: events.append(f"start {msg}") or 7)
+    monkeypatch.setattr(counters.torch.cuda.nvtx, "range_end", lambda rid: events.append(f"end {rid}"))
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job("counters.warmup=2", "counters.steps=3")))
+    assert counters.profiled_step(path) == 0
+    assert events == ["step", "step", "start counters", "step", "step", "step", "end 7"]
