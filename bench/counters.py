@@ -229,8 +229,8 @@ def check_options(c: Mapping[str, Any]) -> None:
 
 
 def platform_fields() -> dict[str, Any]:
-    """The kernel release (``uname -r``): Firecracker guests carry ``-fc-``, where the device tool's
-    H200 lends its counters; gVisor, which refuses them, reports its own fixed release."""
+    """The kernel release (``uname -r``) and whether it is a Firecracker guest's (``-fc-``): Firecracker
+    guests expose the GPU's counters, gVisor sandboxes do not."""
     release = os.uname().release
     return {"kernel_release": release, "firecracker": "-fc-" in release}
 
@@ -283,20 +283,25 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
         failed = "error", f"ncu wrote no report {report.name}: {'; '.join(said) or f'see {name}.ncu.log'}"
     if failed:
         return {**fields, "status": failed[0], "message": failed[1]}
+    return {**fields, **read_report(ncu_path, report, c, timeout_s)}
+
+
+def read_report(ncu_path: str, report: Path, c: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+    """The counter fields of an exported report (its raw page, and its rule results with ``counters.rules``);
+    writes the kernel table beside it and deletes the report unless ``counters.keep_report``."""
     keep = c["keep_report"]
     raw, _units = ncu.parse_raw(page(ncu_path, report, "raw", timeout_s, keep))
     launches = [launch_values(x, c["metrics"], c["stalls"]) for x in raw]
     if not launches:
-        return {**fields, "status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} "
-                f"was profiled (kernel_filter={c['kernel_filter']}); see {name}.ncu.log"}
-    rules = None
-    if c["rules"]:
-        rules = ncu.parse_rules(page(ncu_path, report, "details", timeout_s, keep))
+        return {"status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} was profiled "
+                f"(kernel_filter={c['kernel_filter']}); see {report.stem}.ncu.log"}
+    rules = ncu.parse_rules(page(ncu_path, report, "details", timeout_s, keep)) if c["rules"] else None
     if not keep:
         report.unlink()
-    atomic_write_text(out / f"{name}_kernels.csv", kernel_table(launches))
-    counters = summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))
-    return {**fields, "status": "ok", "message": "", "kernels_csv": f"{name}_kernels.csv", "counters": counters}
+    table = report.with_name(f"{report.stem}_kernels.csv")
+    atomic_write_text(table, kernel_table(launches))
+    return {"status": "ok", "message": "", "kernels_csv": table.name,
+            "counters": summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))}
 
 
 def page(ncu_path: str, report: Path, kind: str, timeout_s: float, keep: bool) -> str:

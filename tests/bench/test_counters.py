@@ -40,15 +40,18 @@ if "--version" in args:
     print("Version 2025.3.1.0 (fake)")
 elif "--import" in args:
     page = args[args.index("--page") + 1]
-    print(open(os.path.join({str(FIXTURES)!r}, page + ".csv")).read() if mode == "ok" else "")
+    text = open(os.path.join({str(FIXTURES)!r}, page + ".csv")).read()
+    print(text if mode == "ok" else "".join(text.splitlines(True)[:3]) if mode == "no_kernels" else "")
 elif mode == "gvisor":
     print("==PROF== Connected to process 17")
     print("==ERROR== Failed to initialize the profiler.")
     sys.exit(1)
+elif mode == "no_report":
+    print("==WARNING== No kernels were profiled.")
 elif mode == "bad_metric":
     print("==ERROR== Failed to find metric smsp__no_such_metric.sum")
     sys.exit(1)
-else:
+else:  # ok, no_kernels
     open(args[args.index("--export") + 1], "w").write("report")
     print('==PROF== Profiling "k" - 0: 0%....50%....100% - 9 passes')
     print('==PROF== Profiling "k" - 1: 0%....50%....100% - 11 passes')
@@ -226,6 +229,17 @@ def test_an_ncu_error_is_an_error_row_with_its_words(fake_ncu, tmp_path, monkeyp
     fields = counters.collect(job(), tmp_path, fake_ncu, timeout_s=60)
     assert fields["status"] == "error"
     assert fields["message"] == "ncu exited with code 1: Failed to find metric smsp__no_such_metric.sum"
+
+
+def test_an_empty_range_is_an_error_row_that_says_so(fake_ncu, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NCU_MODE", "no_report")
+    name = counters.file_slug(job())
+    fields = counters.collect(job(), tmp_path, fake_ncu, timeout_s=60)
+    assert fields["message"] == f"ncu wrote no report {name}.ncu-rep: No kernels were profiled."
+    monkeypatch.setenv("FAKE_NCU_MODE", "no_kernels")
+    fields = counters.collect(job(), tmp_path, fake_ncu, timeout_s=60)
+    assert (fields["status"], fields["message"]) == (
+        "error", f"no kernel launch inside NVTX range 'counters' was profiled (kernel_filter=None); see {name}.ncu.log")
 
 
 def test_missing_ncu_and_cpu_device_are_unsupported_rows(fake_ncu, tmp_path, monkeypatch):
