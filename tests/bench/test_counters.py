@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -339,3 +340,20 @@ def test_profiled_step_wraps_only_the_measured_calls_in_the_range(tmp_path, monk
     path.write_text(json.dumps(job("counters.warmup=2", "counters.steps=3")))
     assert counters.profiled_step(path) == 0
     assert events == ["step", "step", "start counters", "step", "step", "step", "end 7"]
+
+
+@pytest.mark.gpu
+def test_train_step_counters_on_the_gpu_include_the_backward(tmp_path):
+    """The real thing on a CUDA machine with ncu: the tiny smoke step's row is ok, and the NVTX start/end range
+    caught the convolution backward, which autograd launches from its own thread."""
+    if ncu.find_ncu() is None:
+        pytest.skip("no ncu on this machine")
+    subprocess.run([sys.executable, "-m", "bench.counters", "experiment=bench_smoke", "device=cuda",
+                    f"counters.out={tmp_path}", f"hydra.run.dir={tmp_path / 'hydra'}"], check=True, cwd=REPO)
+    (row,) = read_rows(tmp_path / counter_claims.ROWS_FILE)
+    assert (row["status"], row["message"]) == ("ok", "")
+    cats, overall = row["counters"]["categories"], row["counters"]["overall"]
+    assert cats["conv fprop"]["launches"] > 0
+    assert cats["conv dgrad"]["launches"] + cats["conv wgrad"]["launches"] > 0
+    assert cats["optimizer"]["launches"] > 0
+    assert overall["sm_cycles"] > 0 and overall["inst_executed"] > 0 and overall["ipc"] > 0
