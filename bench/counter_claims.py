@@ -194,11 +194,12 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m bench.counter_claims DIR   (DIR holds counters.jsonl)", file=sys.stderr)
         return 2
-    try:
-        print(write(Path(argv[0])))
-    except FileNotFoundError as err:
-        print(f"bench.counter_claims: {err}", file=sys.stderr)
+    rows = Path(argv[0]) / ROWS_FILE
+    if not rows.exists():
+        print(f"bench.counter_claims: {rows} not found (write it with python -m bench.counters counters.out={argv[0]})",
+              file=sys.stderr)
         return 1
+    print(write(Path(argv[0])))
     return 0
 
 
