@@ -54,10 +54,13 @@ bench: $(STAMP) ## the GPU ladder (whole-head 128^3 train/denoise/sample x recip
 profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step)
 	$(BIN)/python -m bench.profile 'recipe=$(or $(RECIPE),[])' bench=$(or $(BENCH),train_step)
 
+counters: $(STAMP) ## Nsight Compute counters of one recipe stack (RECIPE='[tf32]' BENCH=denoise_step COUNTERS_ARGS=...)
+	$(BIN)/python -m bench.counters $(if $(RECIPE),'recipe=$(RECIPE)') bench=$(or $(BENCH),train_step) $(COUNTERS_ARGS)
+
 report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=...)
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache
 
-.PHONY: help install test test-gpu test-slow lint demo bench-smoke bench profile report clean
+.PHONY: help install test test-gpu test-slow lint demo bench-smoke bench profile counters report clean

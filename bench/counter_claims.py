@@ -1,0 +1,207 @@
+"""The study's counter claims against this GPU's counters: ``counters.md`` and ``counters_claims.png``.
+
+The seed study (ICPE 2026, "Performance Analysis and Optimization of 3D Generative Diffusion Models
+across GPU Architectures") reports that TF32 plus a channels-last 3-D layout "reduce SM cycles by up to
+100x, cut dynamic instructions by 100x, raise Tensor Core utilization 1.45-9.98x, and increase IPC by
+7 % on A100". For every workload (scenario, size, batch) in a ``counters.jsonl``, each stack is set
+against the strict-FP32 row of the same file, so of the same run:
+
+* reduction factors = baseline / stack, for SM cycles and warp instructions summed over the step's kernels;
+* tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step that
+  runs no MMA kernel has 0 % and no ratio: the table then gives the stack's own percentage);
+* IPC change = stack / baseline - 1.
+
+Then, per stack, where its kernel time goes by category with each category's counters, and ncu's
+rule-estimated savings when they were collected.
+
+Example:
+    python -m bench.counter_claims results/counters/2026-12-04_10-00-00
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from bench.records import baseline_key, is_baseline, read_rows, recipe_label
+from med_ddpm.utils import atomic_write_text
+
+ROWS_FILE = "counters.jsonl"
+MARKDOWN, PLOT = "counters.md", "counters_claims.png"
+STUDY = {"label": "study (A100, TF32 + channels-last 3-D)", "sm_cycles": "up to 100x", "inst": "100x",
+         "tensor": "1.45-9.98x", "ipc": "+7 %"}
+CLAIM_FACTOR = 100.0  # the study's SM-cycle and instruction reduction, drawn as a line on the plot
+
+
+def stack_label(row: dict[str, Any]) -> str:
+    """The recipe label (``fp32`` for none), after the experiment that chose it (``fast_train: amp_bf16+...``)."""
+    label = recipe_label(row, baseline="fp32")
+    return f"{row['experiment']}: {label}" if row.get("experiment") else label
+
+
+def workload_title(row: dict[str, Any]) -> str:
+    size = "x".join(str(s) for s in row["image_size"])
+    sampler = f", {row['sampler']} {row['steps']} steps" if row.get("sampler") else ""
+    return f"{row['scenario']} {size}, batch {row['batch_size']}{sampler}"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def compare(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """The study's four quantities (and kernel time) of ``row`` against the strict-FP32 ``base``."""
+    a, b = row["counters"]["overall"], base["counters"]["overall"]
+    ipc = _ratio(a["ipc"], b["ipc"])
+    return {"time": _ratio(b["duration_ns"], a["duration_ns"]), "sm_cycles": _ratio(b["sm_cycles"], a["sm_cycles"]),
+            "inst": _ratio(b["inst_executed"], a["inst_executed"]),
+            "tensor": _ratio(a["tensor_pipe_pct"], b["tensor_pipe_pct"]), "tensor_pct": a["tensor_pipe_pct"],
+            "ipc": None if ipc is None else ipc - 1}
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3g}x"
+
+
+def _pct(v: float | None, signed: bool = False) -> str:
+    return "n/a" if v is None else f"{v:+.1%}" if signed else f"{v:.2f} %"
+
+
+def _m(v: float | None) -> str:
+    return "n/a" if v is None else f"{v / 1e6:,.1f}"
+
+
+def workloads(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Ok rows grouped by workload, in file order; the last row of a stack wins."""
+    groups: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        if row.get("status") == "ok" and row.get("counters"):
+            groups[baseline_key(row)][stack_label(row)] = row
+    return {key: list(stacks.values()) for key, stacks in groups.items()}
+
+
+def baseline_of(stacks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The strict-FP32 (no recipe) row among one workload's rows, or None."""
+    return next((r for r in stacks if is_baseline(r)), None)
+
+
+def claims_table(stacks: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: the study's claim, the strict-FP32 baseline's own numbers, then each stack's factors."""
+    base = baseline_of(stacks)
+    lines = [f"### {workload_title(stacks[0])}", ""]
+    if base is None:
+        return lines + ["No strict-FP32 row for this workload in the file: no factors (run `recipe=[]` too).", ""]
+    b = base["counters"]["overall"]
+    lines += ["| stack | kernel time reduction | SM cycles reduction | instruction reduction | tensor-pipe use | IPC change |",
+              "|---|---|---|---|---|---|",
+              f"| {STUDY['label']} | | {STUDY['sm_cycles']} | {STUDY['inst']} | {STUDY['tensor']} | {STUDY['ipc']} |",
+              f"| fp32 (baseline: {b['duration_ns'] / 1e6:.2f} ms, {_m(b['sm_cycles'])} M cycles, "
+              f"{_m(b['inst_executed'])} M inst, IPC {b['ipc'] or 0:.2f}) | 1x | 1x | 1x | {_pct(b['tensor_pipe_pct'])} | 0 |"]
+    for row in stacks:
+        if row is base:
+            continue
+        c = compare(row, base)
+        tensor = f"{_x(c['tensor'])} ({_pct(c['tensor_pct'])})" if c["tensor"] is not None else _pct(c["tensor_pct"])
+        lines.append(f"| {stack_label(row)} | {_x(c['time'])} | {_x(c['sm_cycles'])} | {_x(c['inst'])} | "
+                     f"{tensor} | {_pct(c['ipc'], signed=True)} |")
+    return lines + [""]
+
+
+def category_table(row: dict[str, Any]) -> list[str]:
+    """Markdown lines: per kernel category of one stack, longest first, time, counters and top stall reasons
+    (per step)."""
+    cats = row["counters"]["categories"]
+    total = row["counters"]["overall"]["duration_ns"] or 1.0
+    lines = [f"#### {stack_label(row)}: {workload_title(row)}", "",
+             "| category | launches | ms | share | M SM cycles | M inst | tensor pipe | IPC | DRAM | L2 | occupancy "
+             "| top stalls (cycles/inst) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, t in sorted(cats.items(), key=lambda kv: -(kv[1]["duration_ns"] or 0)):
+        if not t["launches"]:
+            continue
+        stalls = ", ".join(f"{r} {v:.1f}" for r, v in t["top_stalls"])
+        lines.append(f"| {name} | {t['launches']:.0f} | {(t['duration_ns'] or 0) / 1e6:.3f} | "
+                     f"{(t['duration_ns'] or 0) / total:.1%} | {_m(t['sm_cycles'])} | {_m(t['inst_executed'])} | "
+                     f"{_pct(t['tensor_pipe_pct'])} | {t['ipc'] or 0:.2f} | {_pct(t['dram_pct'])} | {_pct(t['l2_pct'])} | "
+                     f"{_pct(t['occupancy_pct'])} | {stalls} |")
+    for r in row["counters"].get("rules") or []:
+        lines.append(f"- ncu rule {r['rule']} ({r['speedup_type']}): {r['saved_ms']:.3f} ms a step ({r['share']:.1%}) "
+                     f"estimated saving over {r['launches']:.0f} launches, most in {r['top_category']}")
+    return lines + [""]
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    groups = workloads(rows)
+    env = next((r for r in rows if r.get("env")), {})
+    gpu = (env.get("env") or {}).get("gpu")
+    lines = ["# Hardware counters per recipe stack (Nsight Compute)", "",
+             f"GPU {gpu or 'none'}, ncu {env.get('ncu_version')}, kernel {env.get('kernel_release')}. Per step, summed over "
+             "the profiled kernels; factors against the strict-FP32 row of this file.", "",
+             "## Study claim vs this GPU", ""]
+    for stacks in groups.values():
+        lines += claims_table(stacks)
+    if not groups:
+        lines += ["No stack has counters in this file yet.", ""]
+    lines += ["## Where each stack's kernel time goes", ""]
+    for stacks in groups.values():
+        for row in stacks:
+            lines += category_table(row)
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if failed:
+        lines += ["## Rows without counters", ""]
+        lines += [f"- {workload_title(r)}, {stack_label(r)}: {r['status']}: {r['message'].splitlines()[0]}"
+                  for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Per workload, SM-cycle and instruction reduction of each stack (log scale), the study's 100x drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g for g in workloads(rows).values() if baseline_of(g)]
+    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(9, 3.6 * max(1, len(groups))), squeeze=False)
+    for ax, stacks in zip(axes[:, 0], groups):
+        base = baseline_of(stacks)
+        others = [r for r in stacks if r is not base]
+        factors = [compare(r, base) for r in others]
+        xs = range(len(others))
+        for offset, key, name in ((-0.2, "sm_cycles", "SM cycles"), (0.2, "inst", "instructions")):
+            ax.bar([x + offset for x in xs], [f[key] or 0 for f in factors], width=0.4, label=f"{name} reduction")
+        ax.axhline(CLAIM_FACTOR, color="k", ls="--", lw=1, label="study claim on A100 (100x)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), [stack_label(r)[:40] for r in others], rotation=20, ha="right", fontsize=7)
+        ax.set_ylabel("strict FP32 / stack")
+        ax.set_title(workload_title(base), fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out: Path) -> Path:
+    """Rebuild counters.md and counters_claims.png from ``out/counters.jsonl``; returns the markdown path."""
+    rows = read_rows(Path(out) / ROWS_FILE)
+    plot(rows, Path(out) / PLOT)
+    return atomic_write_text(Path(out) / MARKDOWN, markdown(rows) + f"\n![claims]({PLOT})\n")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m bench.counter_claims DIR   (DIR holds counters.jsonl)", file=sys.stderr)
+        return 2
+    rows = Path(argv[0]) / ROWS_FILE
+    if not rows.exists():
+        print(f"bench.counter_claims: {rows} not found (write it with python -m bench.counters counters.out={argv[0]})",
+              file=sys.stderr)
+        return 1
+    print(write(Path(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
