@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optim.base import Recipe
+from optim.base import Capabilities, Recipe
 from optim.channels_last import is_only_channels_last_3d
 
 CONVS = (nn.Conv1d, nn.Conv3d)
@@ -86,8 +86,7 @@ class DenseConvGrads(Recipe):
     """Convolution backward gets dense output gradients (the copy moves into the compiled graph)."""
 
     name = "dense_conv_grads"
-    exact = True
-    stage = 10
+    capabilities = Capabilities(stage=10)
 
     def __init__(self) -> None:
         self.hooked: list[str] = []

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from optim.attention import AttentionCore
-from optim.base import Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -92,9 +92,7 @@ class SdpaAttention(Recipe):
     """Replace the reference attention product with ``scaled_dot_product_attention``."""
 
     name = "sdpa_attention"
-    exact = False
-    tolerance = {"rtol": 1e-5, "atol": 1e-6}
-    stage = 10
+    capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-5, "atol": 1e-6}, stage=10)
 
     def __init__(self, backends: list[str] | None = None) -> None:
         self.backends = list(backends) if backends else None

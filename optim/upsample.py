@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optim.base import Recipe
+from optim.base import Capabilities, Recipe
 from optim.channels_last import is_only_channels_last_3d
 
 MODE = "trilinear_x2"
@@ -156,9 +156,7 @@ class GatherUpsample(Recipe):
     """Trilinear ×2 upsampling with an atomic-free, deterministic backward (same forward)."""
 
     name = "gather_upsample"
-    exact = False
-    tolerance = {"rtol": 1e-5, "atol": 1e-6}
-    stage = 10
+    capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-5, "atol": 1e-6}, stage=10)
 
     def __init__(self, forward: str = "interpolate") -> None:
         upsample_for(forward)  # a bad option fails when the stack is built, not at the first model
