@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -224,6 +226,34 @@ def test_closed_form_groupnorm_declares_its_inductor_threshold(monkeypatch) -> N
     assert RecipeStack([Compile(), FusedGroupNorm()]).inductor_options() == {}
     RecipeStack([Compile(inductor={"realize_reads_threshold": 4})]).prepare_model(tiny_unet())
     assert calls[-1]["options"]["realize_reads_threshold"] == 4
+
+
+def test_fused_groupnorm_resolves_triton_once_outside_forward(monkeypatch) -> None:
+    """``triton_available`` is cached; called in forward, Dynamo warns when it traces the call. It is asked once,
+    when the module is built, and forward reads the answer."""
+    import optim.fused_groupnorm as fgn
+
+    calls: list[int] = []
+    monkeypatch.setattr(fgn, "triton_available", lambda: calls.append(1) or True)
+    norm = FusedGroupNormAct(4, 8, impl="auto")
+    assert calls == [1]
+    assert norm.resolved_impl(SimpleNamespace(is_cuda=True)) == "triton"
+    assert norm.resolved_impl(SimpleNamespace(is_cuda=False)) == "torch"
+    assert FusedGroupNormAct(4, 8, impl="torch").resolved_impl(SimpleNamespace(is_cuda=True)) == "torch"
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_fused_groupnorm_traces_without_a_dynamo_warning(device: str) -> None:
+    model = torch.nn.Sequential(torch.nn.GroupNorm(4, 8), torch.nn.SiLU()).to(device)
+    fuse_groupnorm(model, impl="auto")
+    torch._dynamo.utils.warn_once_cache.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.compile(model, backend="eager")(torch.randn(1, 8, 4, 4, 4, device=device))
+    torch.compiler.reset()
+    assert y.shape == (1, 8, 4, 4, 4)
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
 
 
 def test_cudnn_benchmark_limit_times_every_engine_and_restores() -> None:
