@@ -12,9 +12,8 @@ step two kinds of gradients arrive strided:
   upsampling's convolution);
 * the attention block's 1-D q/k/v and output convolutions see (B, C, T) views of NDHWC tensors.
 
-Round 8 on the H200 (``bench/results/h200/tuning/README.md``) counted 21 of the 65
-``convolution_backward`` calls of the channels-last train step with such a gradient, and the
-profile of round 7 has 41 ``aten::copy_`` kernels a step (3.1 ms, "memory copies").
+The H200 profiles of the channels-last train step (``bench/results/h200/tuning/``) show such
+gradients in about a third of its ``convolution_backward`` calls, each copied before the kernel.
 
 This recipe registers a forward hook on every ``nn.Conv1d``/``nn.Conv3d`` that passes the output
 through :class:`DenseGrad`: the identity in the forward, and in the backward

@@ -2,8 +2,7 @@
 
 Med-DDPM normalises with ``GroupNorm32`` (statistics in float32, cast back) and almost always
 follows it with SiLU: ``Sequential(GroupNorm32, SiLU, ...)``. At batch 1 PyTorch's GroupNorm
-statistics kernel runs only N x G = 32 blocks and dominates the step (issue 8's profile: ~46 %
-of GPU time in bf16). This recipe rewrites the model generically:
+statistics kernel runs only N x G = 32 blocks and dominates the eager bf16 step. This recipe rewrites the model generically:
 
 * in every ``nn.Sequential``, a (``nn.GroupNorm`` subclass, ``nn.SiLU``) pair becomes
   (``FusedGroupNormAct(act="silu")``, ``nn.Identity()``) at the same indices;
@@ -22,8 +21,8 @@ Implementations (``impl``):
   ``BACKWARD_CHUNKS`` = 8 slices of groups so that its float32 temporaries (at most three
   slice-sized tensors at a time) never cover more than ~1/8 of the activation; activations under
   8 x ``MIN_CHUNK_ELEMENTS`` = 32 Mi elements take fewer, larger slices (one below 8 Mi), since
-  each slice costs ~25 small kernels. (The previous backward re-ran the torch composite under autograd, materialising
-  x.float(), the float32 GroupNorm output and their gradients at full size.) The closed form is
+  each slice costs ~25 small kernels. (Autograd of the torch composite would materialise x.float(), the
+  float32 GroupNorm output and their gradients at full size.) The closed form is
   mathematically the gradient autograd computes; only float32 rounding differs. The forward
   kernel is pluggable: :func:`forward_stats_torch` computes the same ``(y, mean, rstd)`` in
   torch, so CPU tests run exactly the backward code that CUDA runs.
@@ -110,8 +109,7 @@ def forward_stats_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor |
 
     ``native_group_norm`` is the op ``F.group_norm`` runs; it also returns the (N, G) statistics.
     As ``F.group_norm`` does, its input is made contiguous in the layout the device's kernel takes:
-    the CPU kernel reads channels-last, the CUDA one only NCDHW (on the H200 a channels_last_3d
-    input failed here, in the GPU test of this function as a reference).
+    the CPU kernel reads channels-last, the CUDA one only NCDHW (a channels_last_3d input fails there).
     """
     n, c = x.shape[:2]
     xa = x.to(_acc_dtype(x.dtype))
