@@ -146,7 +146,7 @@ class Compile(Recipe):
         self.capabilities = Capabilities(
             exact=False, tolerance={"rtol": 1e-4, "atol": 1e-5}, stage=50, kind="compile", slow_first_call=True,
             captures_graphs=graphs, devices=("cuda",) if graphs else None,
-            requirement="CUDA-graph trees (compile mode reduce-overhead)",
+            requirement="compile mode reduce-overhead (CUDA-graph trees)",
             fix="use the compile recipe off CUDA (inductor would run there without graphs)")
 
     @contextlib.contextmanager
