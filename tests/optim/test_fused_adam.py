@@ -106,7 +106,7 @@ def _guarded_run(guard: str, bad_steps: set[int], steps: int = 4,
     return model, opt.state_dict(), stack.guard.skipped
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_device_guard_skips_exactly_as_the_host_guard(device: str) -> None:
     """Steps 1 and 2 of 5 non-finite: the host guard skips backward and Adam; the device guard runs both and
     fused Adam leaves weights, moments and the step count alone. The two runs end bit-identical."""
