@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optim.base import DeviceInfo, Recipe, RecipeConflictError, cuda_capability_at_least
+from optim.base import Capabilities, Recipe, RecipeConflictError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,20 +70,26 @@ class NonFiniteGuard:
 class Amp(Recipe):
     """Autocast to ``dtype`` around forward + loss; fp16 adds a ``GradScaler``.
 
-    The autocast device follows the model's parameters (recorded by ``prepare_model``), so the
-    same config works on CPU (bf16/fp16 CPU autocast) and CUDA.
+    The autocast device follows the model's parameters (recorded by ``prepare_model``), so bf16 runs
+    on CPU and CUDA alike. fp16 is refused off CUDA: CPU float16 autocast has no fast kernels.
     """
 
-    name = "amp"
-    exact = False
-    tolerance = {"rtol": 1e-1, "atol": 1e-3}  # per dtype below: bf16 keeps 8 mantissa bits, fp16 11
-    TOLERANCES = {torch.bfloat16: {"rtol": 1e-1, "atol": 1e-3}, torch.float16: {"rtol": 2e-2, "atol": 1e-3}}
-    stage = 40
-    conflicts = ("amp",)
+    CAPABILITIES = {
+        torch.bfloat16: Capabilities(exact=False, tolerance={"rtol": 1e-1, "atol": 1e-3}, stage=40, kind="amp",
+                                     min_cuda_capability=8, requirement="bfloat16 autocast",
+                                     fix="use amp_fp16 on this GPU"),
+        torch.float16: Capabilities(exact=False, tolerance={"rtol": 2e-2, "atol": 1e-3}, stage=40, kind="amp",
+                                    devices=("cuda",), min_cuda_capability=7, scales_loss=True,
+                                    requirement="float16 autocast with tensor cores",
+                                    fix="drop it, or use amp_bf16 on a CPU (float16 CPU autocast runs about 100x slower "
+                                        "than float32)"),
+    }
+    NAMES = {torch.bfloat16: "amp_bf16", torch.float16: "amp_fp16"}
 
     def __init__(self, dtype: str = "bfloat16", cache_enabled: bool = True) -> None:
         self.dtype = resolve_dtype(dtype)
-        self.tolerance = self.TOLERANCES[self.dtype]
+        self.name = self.NAMES[self.dtype]
+        self.capabilities = self.CAPABILITIES[self.dtype]
         self.cache_enabled = cache_enabled
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -96,18 +102,8 @@ class Amp(Recipe):
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return autocast_for(self.dtype, self.device_type, self.cache_enabled)
 
-    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
-        return torch.amp.GradScaler(device_type) if self.dtype == torch.float16 else None
-
-    def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
-        info = DeviceInfo.of(device)
-        if self.dtype == torch.bfloat16:
-            return cuda_capability_at_least(info, 8, "bfloat16 autocast")
-        return cuda_capability_at_least(info, 7, "float16 autocast with tensor cores")
-
     def options(self) -> dict[str, Any]:
         return {"dtype": str(self.dtype).removeprefix("torch."), "cache_enabled": self.cache_enabled}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "device_type": self.device_type,
-                "grad_scaler": self.dtype == torch.float16}
+        return {**super().describe(), "device_type": self.device_type}

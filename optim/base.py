@@ -1,22 +1,16 @@
-"""The recipe protocol: one optimisation, its hooks into the loop, and its honesty contract.
+"""The recipe protocol: one optimisation, what it declares as data, and the few hooks a loop calls.
 
-A recipe is a small object with the hooks a train/sample/bench loop actually has
-(composer's ``Algorithm`` cut down to our loop, torchbench's forward-only AMP context):
+A recipe is a small object named by its config (``configs/recipe/<name>.yaml``). What the stack needs
+to validate, order and combine recipes is data, a frozen :class:`Capabilities`; what changes the
+computation is a hook (composer's ``Algorithm`` cut down to our loop):
 
-* ``session()``         process-global switches; restores *exactly* what it changed, because
-                          Hydra multirun runs every job in one process;
+* ``session()``         process-global state beyond :attr:`Capabilities.flags`, restored exactly on exit
+                          (Hydra multirun runs every job in one process);
 * ``prepare_model(m)``  once, before the optimiser/EMA are built (memory format, surgery, compile);
 * ``prepare_input(x)``  per batch (memory format of 5-D inputs);
 * ``forward_context()`` around forward + loss only (autocast), never backward/optimiser;
-* ``grad_scaler(dev)``  fp16 only;
-* ``optimizer_options()`` keyword arguments for the loop's ``torch.optim.Adam`` (fused kernel);
-* ``inductor_options()`` inductor config the recipe needs from the stack's ``compile`` (a kernel form
-                          that pays off only under one inductor setting asks for it here);
-* ``loss_guard()``      the loop's non-finite-loss guard, when the recipe brings its own (fused Adam's
-                          device-side skip); the stack's default reads the loss on the host;
-* ``supported(device)`` ``(ok, reason)`` so a stack refuses an impossible recipe up front;
-* ``supports_training(grad_accum)`` the same for the training loop's micro-batches per step;
-* ``describe()``        JSON-able record of what was applied, logged with every result.
+* ``optimizer_options()`` keyword arguments for the loop's ``torch.optim.Adam``;
+* ``loss_guard()``      the loop's non-finite-loss guard, when the recipe brings its own.
 
 ``exact`` means bit-identical numerics to the strict-FP32 baseline; otherwise ``tolerance``
 (``{"rtol", "atol"}``) is what the contract test enforces, read as
@@ -27,14 +21,15 @@ relative error is meaningless for values near zero in reduced precision).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from optim.flags import set_flags
+EXACT = {"rtol": 0.0, "atol": 0.0}
 
 
 @dataclass(frozen=True)
@@ -64,6 +59,59 @@ class DeviceInfo:
         return cls(device.type)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a recipe declares; :class:`optim.RecipeStack` reads it, no recipe is special-cased.
+
+    Attributes:
+        exact: bit-identical to the strict-FP32 baseline.
+        tolerance: ``{"rtol", "atol"}`` the contract test enforces when not exact.
+        stage: ordering key (lower runs ``prepare_model`` first).
+        kind: at most one recipe of a kind per stack (``"amp"``, ``"compile"``); empty: the recipe's name.
+        flags: process-global backend flags (names from :data:`optim.flags.FLAGS`) the session sets.
+        inductor: inductor config the session sets for any compile in the stack (a compile recipe's
+            own ``inductor`` option wins over it).
+        devices: device types it runs on; ``None``: any.
+        min_cuda_capability: CUDA compute capability major it needs on CUDA; 0: any.
+        modules: importable packages it needs.
+        requirement: what needs the device, for refusals (``"bfloat16 autocast"``).
+        fix: what to do instead, appended to a refusal after ``"; "``.
+        captures_graphs: replays CUDA graphs that reuse memory between replays, so gradients cannot be
+            accumulated over micro-batches.
+        scales_loss: needs a loss scaler (fp16 autocast).
+        slow_first_call: the first call pays seconds of work (compilation); its CPU contract test is slow.
+    """
+
+    exact: bool = True
+    tolerance: Mapping[str, float] = field(default_factory=lambda: dict(EXACT))
+    stage: int = 0
+    kind: str = ""
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    inductor: Mapping[str, Any] = field(default_factory=dict)
+    devices: tuple[str, ...] | None = None
+    min_cuda_capability: int = 0
+    modules: tuple[str, ...] = ()
+    requirement: str = ""
+    fix: str = ""
+    captures_graphs: bool = False
+    scales_loss: bool = False
+    slow_first_call: bool = False
+
+    def refusal(self, device: DeviceInfo) -> str:
+        """Why the recipe cannot run on ``device`` (``"<reason>; <fix>"``), or ``""`` when it can."""
+        what = self.requirement or "it"
+        reason = ""
+        if self.devices is not None and device.type not in self.devices:
+            reason = f"{what} runs on {' or '.join(self.devices)} only, not {device.type}"
+        elif device.type == "cuda" and device.capability and device.capability[0] < self.min_cuda_capability:
+            cc = ".".join(map(str, device.capability))
+            reason = (f"{what}: needs CUDA compute capability >= {self.min_cuda_capability}.0; "
+                      f"{device.name or 'this GPU'} has {cc}")
+        elif missing := [m for m in self.modules if importlib.util.find_spec(m) is None]:
+            reason = f"{what}: needs the {', '.join(missing)} package, not installed here"
+        return f"{reason}; {self.fix}" if reason and self.fix else reason
+
+
 class UnsupportedRecipeError(RuntimeError):
     """A recipe cannot run on the requested device; the message carries the recipe's reason."""
 
@@ -75,32 +123,23 @@ class RecipeConflictError(ValueError):
 class Recipe:
     """Base class: every hook is a no-op, so a recipe overrides only what it changes.
 
-    Class attributes:
-        name: config/registry name (``configs/recipe/<name>.yaml``).
-        exact: True when numerics are bit-identical to the strict-FP32 baseline.
-        tolerance: ``{"rtol", "atol"}`` enforced by the contract test when not exact.
-        stage: ordering key used by :class:`optim.RecipeStack` (lower runs ``prepare_model`` first).
-        conflicts: names of recipes this one cannot be combined with.
-        slow_first_call: the first forward pays seconds of work (compilation); test suites
-            use it to mark the recipe's CPU contract test ``slow``.
+    Attributes:
+        name: the config name (``configs/recipe/<name>.yaml``); ``RecipeStack.from_config`` sets it
+            from the config key, so errors name what the user typed.
+        capabilities: the declared data; a recipe whose data depends on its options sets it in ``__init__``.
     """
 
-    name: ClassVar[str] = "recipe"
-    exact: ClassVar[bool] = True
-    tolerance: ClassVar[dict[str, float]] = {"rtol": 0.0, "atol": 0.0}
-    stage: ClassVar[int] = 0
-    conflicts: ClassVar[tuple[str, ...]] = ()
-    slow_first_call: ClassVar[bool] = False
+    name: str = "recipe"
+    capabilities: Capabilities = Capabilities()
 
-    def flags(self) -> dict[str, Any]:
-        """Process-global backend flags (names from :data:`optim.flags.FLAGS`) the session sets."""
-        return {}
+    def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
+        """``(True, "")``, or ``(False, "<reason>; <fix>")`` from :meth:`Capabilities.refusal`."""
+        reason = self.capabilities.refusal(DeviceInfo.of(device))
+        return not reason, reason
 
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        """Process-global switches for a run: sets :meth:`flags`, restores them exactly on exit."""
-        with set_flags(self.flags()):
-            yield
+    def session(self) -> contextlib.AbstractContextManager[None]:
+        """Process-global state beyond the declared flags, restored on exit; default: none."""
+        return contextlib.nullcontext()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Transform the model once, before optimiser/EMA creation; default: unchanged."""
@@ -114,54 +153,24 @@ class Recipe:
         """Context around forward + loss only; default: none."""
         return contextlib.nullcontext()
 
-    def grad_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
-        """A loss scaler when the recipe needs one (fp16 autocast); default: None."""
-        return None
-
     def optimizer_options(self) -> dict[str, Any]:
         """Keyword arguments the loop passes to ``torch.optim.Adam``; default: none."""
-        return {}
-
-    def inductor_options(self) -> dict[str, Any]:
-        """Inductor config for the stack's ``compile`` (its own ``inductor`` option wins); default: none."""
         return {}
 
     def loss_guard(self) -> Any | None:
         """A guard ``(loss, optimizer) -> run backward and step?`` with a ``skipped`` count; default: none."""
         return None
 
-    def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
-        """Whether the recipe can run on ``device``; ``(False, reason)`` otherwise."""
-        return True, ""
-
-    def supports_training(self, grad_accum: int) -> tuple[bool, str]:
-        """Whether the training loop can run the recipe with ``grad_accum`` micro-batches per optimiser step."""
-        return True, ""
-
     def options(self) -> dict[str, Any]:
         """The recipe's constructor options (JSON-able), for ``describe()``."""
         return {}
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able record of this recipe: name, exactness, options, and what it applied."""
-        return {"name": self.name, "exact": self.exact, "tolerance": dict(self.tolerance),
-                **self.options()}
+        """JSON-able record of this recipe: name, declared data, options, and what it applied."""
+        caps = asdict(self.capabilities)
+        return {"name": self.name, "exact": caps.pop("exact"), "tolerance": caps.pop("tolerance"),
+                "capabilities": caps, **self.options()}
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
-        return f"{type(self).__name__}({opts})"
-
-
-def cuda_capability_at_least(device: DeviceInfo, major: int, what: str) -> tuple[bool, str]:
-    """Shared ``supported()`` rule for features gated on a CUDA compute capability.
-
-    Off CUDA the feature is supported as a no-op (see each card); on CUDA it needs
-    ``capability >= (major, 0)``.
-    """
-    if device.type != "cuda" or device.capability is None:
-        return True, ""
-    if device.capability[0] >= major:
-        return True, ""
-    cc = ".".join(map(str, device.capability))
-    return False, (f"{what} needs CUDA compute capability >= {major}.0 (Ampere or newer); "
-                   f"{device.name or 'this GPU'} has {cc}")
+        return f"{self.name}({opts})"

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from optim.base import Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 from optim.forward_override import override_forward
 
 LEVELS = {"attention": ("attention",), "resblocks": ("resblocks",),
@@ -67,8 +67,7 @@ class Checkpointing(Recipe):
     """
 
     name = "checkpointing"
-    exact = True
-    stage = 20
+    capabilities = Capabilities(stage=20)
 
     def __init__(self, level: str = "all") -> None:
         check_level(level)

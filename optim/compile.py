@@ -3,11 +3,15 @@
 ``torch.compile(model)`` returns a wrapper whose state-dict keys gain an ``_orig_mod.`` prefix;
 compiling the instance's forward instead keeps Med-DDPM's key names, so checkpoints written
 with or without the recipe are interchangeable. Compilation is lazy: the first call pays it,
-so callers time that call separately (:meth:`Compile.measure_first_call`), and the session
+so callers time that call separately (:meth:`optim.RecipeStack.measure_first_call`), and the session
 ends with ``torch.compiler.reset()`` so a Hydra multirun's next job starts from a clean cache.
 
+Modes: ``default`` (inductor kernels) and ``reduce-overhead`` (the same kernels replayed as CUDA-graph
+trees: recipe ``compile_cudagraphs``). The max-autotune modes are not offered: their compile of the
+whole-head network did not finish (docs/recipes.md, Removed recipes).
+
 Example:
-    >>> model = compile_model(model, mode="max-autotune")
+    >>> model = compile_model(model, mode="reduce-overhead")
     >>> y = model(x, t)          # first call compiles
 """
 
@@ -15,18 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from optim.base import Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 from optim.channels_last import is_only_channels_last_3d
 from optim.forward_override import override_forward
 
-MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
+MODES = ("default", "reduce-overhead")
 LAYOUT_OPTIMIZATION = ("auto", True, False)
 
 
@@ -61,9 +64,8 @@ def inductor_layout_optimization(model: nn.Module, setting: str | bool) -> bool 
     keeps every convolution's inputs in their eager (traced) strides, but for 3-D convolutions it
     puts no channels-last preference in its place. Pointwise results (the autocast weight cast,
     GroupNorm + SiLU) then default to NCDHW, and cuDNN, whose bf16 kernels are NDHWC, converts
-    around every convolution (measured: 393 conversion kernels, 5.9 ms of a 29.9 ms forward,
-    bench/results/h200/tuning/). With it off, the traced channels-last strides are kept: 0.34 ms
-    of conversions, forward 23.5 ms.
+    around every convolution (seen in the H200 profiles under bench/results/h200/tuning/). With it
+    off, the traced channels-last strides are kept and the conversions are gone.
     """
     if setting == "auto":
         return False if has_channels_last_3d_weights(model) else None
@@ -124,22 +126,12 @@ def _install(model: nn.Module, mode: str, fullgraph: bool, dynamic: bool, backen
     return model
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 class Compile(Recipe):
     """``torch.compile`` the forward (inductor; ``dynamic=False`` since volume shapes are fixed).
 
-    Runs last in ``prepare_model`` so it sees the final layout, modules and wrappers.
+    Runs last in ``prepare_model`` so it sees the final layout, modules and wrappers. Mode
+    ``reduce-overhead`` replays CUDA-graph trees: CUDA only, and one micro-batch per optimiser step.
     """
-
-    name = "compile"
-    exact = False
-    tolerance = {"rtol": 1e-4, "atol": 1e-5}
-    stage = 50
-    slow_first_call = True
 
     def __init__(self, mode: str = "default", fullgraph: bool = False, dynamic: bool = False,
                  backend: str = "inductor", layout_optimization: str | bool = "auto",
@@ -148,10 +140,14 @@ class Compile(Recipe):
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self.layout_optimization = layout_optimization
         self.inductor = dict(inductor or {})
-        self.requested: dict[str, Any] = {}
         self.resolved_layout_optimization: bool | None = None
-        self.first_call_s: float | None = None
-        self.prepared_at: float | None = None
+        graphs = mode == "reduce-overhead"
+        self.name = "compile_cudagraphs" if graphs else "compile"
+        self.capabilities = Capabilities(
+            exact=False, tolerance={"rtol": 1e-4, "atol": 1e-5}, stage=50, kind="compile", slow_first_call=True,
+            captures_graphs=graphs, devices=("cuda",) if graphs else None,
+            requirement="compile mode reduce-overhead (CUDA-graph trees)",
+            fix="use the compile recipe off CUDA (inductor would run there without graphs)")
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -161,42 +157,9 @@ class Compile(Recipe):
             torch.compiler.reset()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        self.prepared_at = time.time()
         self.resolved_layout_optimization = inductor_layout_optimization(model, self.layout_optimization)
         return _install(model, self.mode, self.fullgraph, self.dynamic, self.backend,
-                        self.resolved_layout_optimization, self.effective_inductor())
-
-    def supports_training(self, grad_accum: int) -> tuple[bool, str]:
-        """CUDA-graph trees and gradient accumulation do not mix in torch 2.11 (PyTorch issue 169545): a later
-        micro-batch's replay reuses memory the earlier one's backward still needs (PyTorch issue 96693 reports
-        gradients accumulated wrongly with no error); on the H200 ``med_ddpm.train`` with ``grad_accum=2`` failed in its first step."""
-        if self.mode == "reduce-overhead" and grad_accum > 1:
-            return False, ("CUDA-graph trees (mode=reduce-overhead) reuse a replay's memory on the next one, so "
-                           "gradients cannot be accumulated over micro-batches (PyTorch issue 169545); use "
-                           "train.grad_accum=1 with a larger train.batch_size, or the compile recipe")
-        return True, ""
-
-    def request_inductor(self, requests: Mapping[str, Any]) -> None:
-        """Other recipes' inductor config (``RecipeStack`` hands it over); ignored by other backends."""
-        self.requested = dict(requests) if self.backend == "inductor" else {}
-        check_mode(self.mode, self.layout_optimization, self.effective_inductor(), self.backend)
-
-    def effective_inductor(self) -> dict[str, Any]:
-        """The requested config overlaid by this recipe's own ``inductor`` option (the user's word wins)."""
-        return {**self.requested, **self.inductor}
-
-    def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` once (normally the first forward/train step), recording its wall time.
-
-        The recorded ``first_call_s`` (compile + one step, device-synchronised) is reported by
-        ``describe()``, apart from the steady-state timings.
-        """
-        _synchronize()
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        _synchronize()
-        self.first_call_s = time.perf_counter() - start
-        return out
+                        self.resolved_layout_optimization, self.inductor)
 
     def options(self) -> dict[str, Any]:
         return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic,
@@ -204,6 +167,4 @@ class Compile(Recipe):
                 "inductor": dict(self.inductor)}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "first_call_s": self.first_call_s,
-                "inductor_layout_optimization": self.resolved_layout_optimization,
-                "inductor_effective": self.effective_inductor()}
+        return {**super().describe(), "inductor_layout_optimization": self.resolved_layout_optimization}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from optim.base import Recipe
+from optim.base import Capabilities, Recipe
 from optim.flags import set_flags
 
 
@@ -40,17 +40,12 @@ class CudnnBenchmark(Recipe):
     """
 
     name = "cudnn_benchmark"
-    exact = False
-    tolerance = {"rtol": 1e-4, "atol": 1e-6}
-    stage = 0
 
     def __init__(self, limit: int | None = None) -> None:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"cudnn_benchmark: limit must be a non-negative int or null, got {limit!r}")
         self.limit = limit
-
-    def flags(self) -> dict[str, Any]:
-        return _flags(True, self.limit)
+        self.capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-4, "atol": 1e-6}, flags=_flags(True, limit))
 
     def options(self) -> dict[str, Any]:
         return {"limit": self.limit}

@@ -20,9 +20,7 @@ The default guard reads the loss on the host once a step, so the GPU waits while
 what follows. The fused kernel takes a ``found_inf`` flag, the one fp16's GradScaler sets: when it
 is 1 the kernel leaves weights, moments and the step count as they were. The device guard sets
 that flag from the loss on the GPU and lets the loop go on, so nothing waits. A skipped step's
-backward still runs (its gradients are discarded). H200 round 13, graphed fast train step, one
-compiled model: 54.9 ms a step with the device guard, 56.1 ms with the host read before backward,
-57.6 ms with it after (``bench/results/h200/tuning/guard_order_9112a70/``).
+backward still runs (its gradients are discarded).
 
 Example:
     >>> opt = torch.optim.Adam(model.parameters(), lr=1e-5, **fused_adam_options())
@@ -37,7 +35,7 @@ from typing import Any
 
 import torch
 
-from optim.base import DeviceInfo, Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 
 GUARDS = ("host", "device")
 
@@ -102,9 +100,10 @@ class FusedAdam(Recipe):
     """``torch.optim.Adam(..., fused=True)``: the whole update in one kernel (CUDA, and CPU since torch 2.4)."""
 
     name = "fused_adam"
-    exact = False
-    tolerance = {"rtol": 1e-6, "atol": 1e-9}
-    stage = 70  # touches no model: the optimiser is built after every model recipe
+    # stage 70: touches no model, the optimiser is built after every model recipe
+    capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-6, "atol": 1e-9}, stage=70,
+                                devices=("cpu", "cuda"), requirement="fused Adam",
+                                fix="drop fused_adam on this device")
 
     def __init__(self, guard: str = "host") -> None:
         if guard not in GUARDS:
@@ -119,10 +118,3 @@ class FusedAdam(Recipe):
 
     def options(self) -> dict[str, Any]:
         return {"guard": self.guard}
-
-    def supported(self, device: DeviceInfo | Any) -> tuple[bool, str]:
-        """Fused Adam has CUDA and CPU kernels (float16/bfloat16/float32/float64 parameters)."""
-        info = DeviceInfo.of(device)
-        if info.type in ("cuda", "cpu"):
-            return True, ""
-        return False, f"fused Adam has no kernel for device type {info.type!r} (CUDA and CPU only)"

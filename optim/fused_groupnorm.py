@@ -2,8 +2,7 @@
 
 Med-DDPM normalises with ``GroupNorm32`` (statistics in float32, cast back) and almost always
 follows it with SiLU: ``Sequential(GroupNorm32, SiLU, ...)``. At batch 1 PyTorch's GroupNorm
-statistics kernel runs only N x G = 32 blocks and dominates the step (issue 8's profile: ~46 %
-of GPU time in bf16). This recipe rewrites the model generically:
+statistics kernel runs only N x G = 32 blocks and dominates the eager bf16 step. This recipe rewrites the model generically:
 
 * in every ``nn.Sequential``, a (``nn.GroupNorm`` subclass, ``nn.SiLU``) pair becomes
   (``FusedGroupNormAct(act="silu")``, ``nn.Identity()``) at the same indices;
@@ -22,8 +21,8 @@ Implementations (``impl``):
   ``BACKWARD_CHUNKS`` = 8 slices of groups so that its float32 temporaries (at most three
   slice-sized tensors at a time) never cover more than ~1/8 of the activation; activations under
   8 x ``MIN_CHUNK_ELEMENTS`` = 32 Mi elements take fewer, larger slices (one below 8 Mi), since
-  each slice costs ~25 small kernels. (The previous backward re-ran the torch composite under autograd, materialising
-  x.float(), the float32 GroupNorm output and their gradients at full size.) The closed form is
+  each slice costs ~25 small kernels. (Autograd of the torch composite would materialise x.float(), the
+  float32 GroupNorm output and their gradients at full size.) The closed form is
   mathematically the gradient autograd computes; only float32 rounding differs. The forward
   kernel is pluggable: :func:`forward_stats_torch` computes the same ``(y, mean, rstd)`` in
   torch, so CPU tests run exactly the backward code that CUDA runs.
@@ -54,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from optim.base import Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 from optim.channels_last import is_only_channels_last_3d
 from optim.groupnorm_ndhwc import _acc_dtype, group_norm_act_channels_last, group_norm_act_ndhwc_closed_form
 
@@ -110,8 +109,7 @@ def forward_stats_torch(x: torch.Tensor, num_groups: int, weight: torch.Tensor |
 
     ``native_group_norm`` is the op ``F.group_norm`` runs; it also returns the (N, G) statistics.
     As ``F.group_norm`` does, its input is made contiguous in the layout the device's kernel takes:
-    the CPU kernel reads channels-last, the CUDA one only NCDHW (on the H200 a channels_last_3d
-    input failed here, in the GPU test of this function as a reference).
+    the CPU kernel reads channels-last, the CUDA one only NCDHW (a channels_last_3d input fails there).
     """
     n, c = x.shape[:2]
     xa = x.to(_acc_dtype(x.dtype))
@@ -292,6 +290,8 @@ class FusedGroupNormAct(nn.GroupNorm):
         check_impl(impl, ndhwc_backward)
         super().__init__(num_groups, num_channels, eps, affine, **factory)
         self.act, self.impl, self.ndhwc_backward = act, impl, ndhwc_backward
+        # resolved here, once: a cached function called inside forward makes Dynamo warn when it traces it
+        self.triton = impl != "torch" and triton_available()
 
     @classmethod
     def from_groupnorm(cls, norm: nn.GroupNorm, act: str | None, impl: str,
@@ -303,10 +303,10 @@ class FusedGroupNormAct(nn.GroupNorm):
         return fused
 
     def resolved_impl(self, x: torch.Tensor) -> str:
+        """``impl``, with ``auto`` resolved for ``x``: Triton for CUDA tensors when installed and not compiling."""
         if self.impl != "auto":
             return self.impl
-        use_triton = x.is_cuda and triton_available() and not torch.compiler.is_compiling()
-        return "triton" if use_triton else "torch"
+        return "triton" if self.triton and x.is_cuda and not torch.compiler.is_compiling() else "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         silu = self.act == "silu"
@@ -344,29 +344,23 @@ class FusedGroupNorm(Recipe):
     """GroupNorm32 + SiLU fused (Triton on CUDA, torch form elsewhere); fp32 statistics."""
 
     name = "fused_groupnorm"
-    exact = False
-    tolerance = {"rtol": 1e-5, "atol": 1e-6}
-    stage = 10
 
     def __init__(self, impl: str = "auto", ndhwc_backward: str = "autograd") -> None:
         check_impl(impl, ndhwc_backward)
         self.impl, self.ndhwc_backward = impl, ndhwc_backward
         self.counts: dict[str, int] = {}
+        # The closed form reads five buffers; at inductor's default realize_reads_threshold (4) inductor writes
+        # its recomputed pre-activation out in float32, at 6 it stays inline (tests/optim/test_groupnorm_ndhwc.py).
+        inductor = {"realize_reads_threshold": 6} if ndhwc_backward == "closed_form" else {}
+        self.capabilities = Capabilities(
+            exact=False, tolerance={"rtol": 1e-5, "atol": 1e-6}, stage=10, inductor=inductor,
+            devices=("cuda",) if impl == "triton" else None, modules=("triton",) if impl == "triton" else (),
+            requirement="fused_groupnorm impl=triton",
+            fix="use impl=auto (Triton on CUDA when installed, the torch form elsewhere)")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         self.counts = fuse_groupnorm(model, self.impl, self.ndhwc_backward)
         return model
-
-    def supported(self, device: Any) -> tuple[bool, str]:
-        if self.impl == "triton" and not triton_available():
-            return False, "fused_groupnorm impl=triton needs the triton package (not installed here)"
-        return True, ""
-
-    def inductor_options(self) -> dict[str, Any]:
-        """The closed form reads five buffers, so inductor's default ``realize_reads_threshold`` (4) writes its
-        recomputed pre-activation out in float32; at 6 it stays inline (-3.2 ms a train step on the H200, no gain
-        without it: round 11 of bench/results/h200/tuning/README.md)."""
-        return {"realize_reads_threshold": 6} if self.ndhwc_backward == "closed_form" else {}
 
     def options(self) -> dict[str, Any]:
         return {"impl": self.impl, "ndhwc_backward": self.ndhwc_backward}

@@ -3,10 +3,8 @@
 The forward (:func:`group_norm_act_channels_last`) views x as the (N, S, C) matrix its NDHWC memory
 is: per-channel statistics over S, combined exactly per group, then one pointwise pass
 x·a_c + b_c (+SiLU). ``torch.compile`` fuses it; its backward is then whatever autograd derives
-from those ops. In the channels-last train step on the H200 (round 7 profile,
-bench/results/h200/tuning/profile_train_gather_0effe44/) the GroupNorm backward of the decoder's
-128-channel norms at 128³ takes three kernels (0.53 + 0.38 + 0.66 ms a call). Inductor's code for
-this backward (generated on the CPU under its GPU backend's reuse rule; the GPU code itself has not
+from those ops: three kernels per 128-channel norm of the decoder in the H200 train-step profile
+(bench/results/h200/tuning/profile_train_gather_0effe44/). Inductor's code for this backward (generated on the CPU under its GPU backend's reuse rule; the GPU code itself has not
 been read) writes a full-size float32 intermediate, the recomputed pre-activation y = x·a_c + b_c,
 which the reduction and the dx pass read back. Per 128-channel norm at 128³ that buffer is 1.07 GB.
 
@@ -17,7 +15,7 @@ over bf16 tensors and no float32 one. Whether inductor keeps y inline depends on
 realize-on-reuse heuristic: a reused pointwise value is written out when it reads more than
 ``realize_reads_threshold`` (4) buffers, and y reads x, the group mean and rstd, the weight and
 the bias. So it is inline at ``realize_reads_threshold`` 6, which the ``fused_groupnorm`` recipe
-asks the stack's ``compile`` for (``Recipe.inductor_options``; ``compile``'s own ``inductor`` option
+declares for the stack's session (``Capabilities.inductor``; ``compile``'s own ``inductor`` option
 wins); with the default, y is written once in float32 (one buffer, where the autograd form writes one
 or two). ``tests/optim/test_groupnorm_ndhwc.py`` checks the generated code on the CPU, and the GPU test
 ``test_groupnorm_closed_form_backward_compiles_without_a_float32_intermediate`` on CUDA.
@@ -53,11 +51,8 @@ def group_stats(xs: torch.Tensor, num_groups: int, eps: float) -> tuple[torch.Te
 
     1. per-channel mean and biased variance over S (``var_mean`` on dim 1): a column reduction
        of a row-major matrix, whose loads are coalesced and which inductor splits over the whole
-       GPU at batch 1. (The first form reduced each group over an (N, S, G, Cg) view, which
-       reads Cg-element runs every C elements. On the H200 at 128³ in bf16, GroupNorm + SiLU
-       took 0.78 / 3.11 ms at 64 / 128 channels that way and takes 0.46 / 1.92 ms this way
-       (``bench.micro``); the compiled forward's GroupNorm and elementwise kernels went from
-       8.13 to 5.43 ms: bench/results/h200/tuning/.)
+       GPU at batch 1. (Reducing each group over an (N, S, G, Cg) view instead reads
+       Cg-element runs every C elements: uncoalesced, and slower in ``bench.micro``.)
     2. the Cg channel statistics of each group combined exactly, all channels having S values
        (Chan et al.'s pairwise update): mean_g = mean_c(mean_c), var_g = mean_c(var_c) +
        mean_c((mean_c - mean_g)²). Welford per channel, then this, has none of the cancellation

@@ -1,56 +1,43 @@
-"""Narrow 3-D convolutions (few input or few output channels) computed as one dense GEMM each.
+"""Narrow-output 3-D convolutions (Med-DDPM's 64 -> 1 output conv) computed as one dense GEMM + col2im.
 
-Med-DDPM starts with a 3 -> 64 convolution (the noisy image and the two-channel mask) and ends
-with a 64 -> 1 one (the predicted ε); BraTS has 8 -> 64 and 64 -> 4. cuDNN runs both as implicit
-GEMMs whose reduction (in) or output (out) dimension is a handful of channels, far below the
-tensor cores' tile, so they run at a few % of the convolutions' rate. In the H200 profiles
-(bench/results/h200/tuning/): the 3 -> 64 forward takes 0.64 ms (about 34 TFLOP/s) and the
-64 -> 1 output convolution's weight and data gradients take 1.76 + 0.68 ms of a 58.9 ms training
-step, for 0.01 % of its FLOPs; padding the channels to 8 (``pad_conv_channels``) helps the
-output conv's forward only partly (1.15 -> 0.82 ms) and the input conv not at all.
+Med-DDPM ends with a 64 -> 1 convolution (the predicted ε; 64 -> 4 for BraTS). cuDNN runs it as an
+implicit GEMM whose output dimension is a handful of channels, far below the tensor cores' tile, so
+it runs at a few % of the other convolutions' rate (H200 profiles, bench/results/h200/tuning/).
 
-This recipe rewrites such a convolution as a GEMM whose other dimensions are wide. With
-``τ`` ranging over the kernel's taps, ``r`` the "same" padding and the usual cross-correlation
+This recipe rewrites such a convolution as a GEMM whose other dimensions are wide. With ``τ``
+ranging over the kernel's taps, ``r`` the "same" padding and the usual cross-correlation
 
     y[n, o, p] = b[o] + Σ_c Σ_τ W[o, c, τ] x[n, c, p + τ - r]                         (1)
 
-* **few input channels (im2col)**: gather the taps into columns, then one GEMM with K = taps × C_in:
+one GEMM with N = taps × C_out gives every tap's product, then the adjoint of im2col, a shifted sum
+over the taps (the "col2im" of Caffe's deconvolution):
 
-    U[n, p, (τ, c)] = x[n, c, p + τ - r]  (zero outside),  y[n, p, :] = U[n, p, :] Ŵ + b,
-    Ŵ[(τ, c), o] = W[o, c, τ]                                                          (2)
+    Z[n, q, (τ, o)] = Σ_c x[n, c, q] W[o, c, τ],  y[n, o, p] = b[o] + Σ_τ Z[n, p + τ - r, (τ, o)]   (2)
 
-* **few output channels (GEMM + col2im)**: one GEMM with N = taps × C_out, then the adjoint of
-  im2col, a shifted sum over the taps (the "col2im" of Caffe's deconvolution):
-
-    Z[n, q, (τ, o)] = Σ_c x[n, c, q] W[o, c, τ],  y[n, o, p] = b[o] + Σ_τ Z[n, p + τ - r, (τ, o)]   (3)
-
-Both are the same sum as (1) in another order. The GEMMs run on channels-last views (NDHWC is
-the GEMM's row-major [voxels × channels]); under ``torch.compile`` inductor fuses the im2col
-gather and the col2im sum into single pointwise kernels around cuBLAS. The tap sum of (3) is
-accumulated in float32; under autocast, Z is rounded to the compute dtype before it (one
-rounding per tap product, as a bf16 convolution's output is rounded once).
+It is the same sum as (1) in another order. The GEMM runs on a channels-last view (NDHWC is the
+GEMM's row-major [voxels × channels]); under ``torch.compile`` inductor fuses the tap sum into one
+pointwise kernel after cuBLAS. The tap sum is accumulated in float32; under autocast, Z is rounded
+to the compute dtype before it (one rounding per tap product, as a bf16 convolution's output is
+rounded once).
 
 The module, its Parameters and its state-dict keys are unchanged (the forward is overridden).
 
 Example:
-    >>> gemm_narrow_convs(model)                              # Med-DDPM whole-head, default forms
-    {'out.2': 'col2im'}
-    >>> gemm_narrow_convs(model, forms=("im2col", "col2im"))  # the input conv too
-    {'input_blocks.0.0': 'im2col', 'out.2': 'col2im'}
+    >>> gemm_narrow_convs(model)                              # Med-DDPM whole-head
+    ['out.2']
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optim.base import Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 from optim.channels_last import is_only_channels_last_3d
 from optim.forward_override import override_forward
 
@@ -58,12 +45,10 @@ NARROW = 8  # cuDNN's NDHWC channel granule for 16-bit types: narrower convs fal
 ALIGN = 8  # GEMM leading dimensions padded to 8 elements (16 bytes), the alignment cuBLAS's tensor-core kernels need
 
 
-def check_options(narrow: int, forms: tuple[str, ...]) -> None:
-    """The one validation of the options, shared by the recipe and its functional twin."""
-    if not isinstance(narrow, int) or narrow < 2:
+def check_narrow(narrow: int) -> None:
+    """The one validation of ``narrow``, shared by the recipe and its functional twin."""
+    if isinstance(narrow, bool) or not isinstance(narrow, int) or narrow < 2:
         raise RecipeConflictError(f"narrow_conv_gemm narrow must be an integer >= 2, got {narrow!r}")
-    if not forms or set(forms) - set(FORMS):
-        raise RecipeConflictError(f"narrow_conv_gemm forms must be a non-empty subset of {sorted(FORMS)}, got {forms!r}")
 
 
 def is_same_conv(conv: nn.Module) -> bool:
@@ -76,14 +61,9 @@ def is_same_conv(conv: nn.Module) -> bool:
     return same and all(s % 2 for s in k) and set(conv.stride) == {1} and set(conv.dilation) == {1}
 
 
-def form_for(conv: nn.Module, narrow: int = NARROW, forms: tuple[str, ...] = ("im2col", "col2im")) -> str | None:
-    """Of ``forms``: ``"im2col"`` when the input is narrow, ``"col2im"`` when the output is, else ``None``."""
-    if not is_same_conv(conv):
-        return None
-    if conv.in_channels < narrow and "im2col" in forms:
-        return "im2col"
-    return "col2im" if conv.out_channels < narrow and "col2im" in forms else None
-
+def is_narrow_output(conv: nn.Module, narrow: int = NARROW) -> bool:
+    """Whether ``conv`` is a "same" ``Conv3d`` with fewer than ``narrow`` output channels."""
+    return is_same_conv(conv) and conv.out_channels < narrow
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the convolution would compute in: autocast's, else the input's."""
@@ -116,22 +96,8 @@ def _as_conv_output(y_l: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if is_only_channels_last_3d(x) else y.contiguous()
 
 
-def im2col_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Equation (2): the taps gathered into columns (K = taps × C_in, padded to 8), one GEMM."""
-    dtype = _compute_dtype(x)
-    kernel, size = tuple(weight.shape[2:]), x.shape[2:]
-    x_l = _same_pad(x.to(dtype).permute(0, 2, 3, 4, 1), kernel, extra_dims=1)
-    cols = [x_l[:, a:a + size[0], b:b + size[1], c:c + size[2], :] for a, b, c in _taps(kernel)]
-    u = _pad_last(torch.cat(cols, dim=-1))
-    w = weight.to(dtype).permute(2, 3, 4, 1, 0).reshape(-1, weight.shape[0])  # Ŵ[(τ, c), o]
-    y_l = u @ F.pad(w, (0, 0, 0, u.shape[-1] - w.shape[0]))
-    if bias is not None:
-        y_l = y_l + bias.to(dtype)
-    return _as_conv_output(y_l, x)
-
-
 def gemm_col2im_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Equation (3): one GEMM to (tap, out-channel) columns, then the shifted tap sum in (at least) float32."""
+    """Equation (2): one GEMM to (tap, out-channel) columns, then the shifted tap sum in (at least) float32."""
     dtype = _compute_dtype(x)
     acc = torch.promote_types(dtype, torch.float32)
     out_channels, kernel, size = weight.shape[0], tuple(weight.shape[2:]), x.shape[2:]
@@ -144,53 +110,45 @@ def gemm_col2im_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return _as_conv_output(y_l.to(dtype), x)
 
 
-FORMS = {"im2col": im2col_conv3d, "col2im": gemm_col2im_conv3d}
-# im2col measured 3x slower than cuDNN's 3 -> 64 forward on the H200 (bench.micro, round 9): opt in with forms
-DEFAULT_FORMS = ("col2im",)
+def gemm_conv_forward(x: torch.Tensor, conv: nn.Conv3d) -> torch.Tensor:
+    """``conv(x)`` by equation (2)."""
+    return gemm_col2im_conv3d(x, conv.weight, conv.bias)
 
 
-def gemm_conv_forward(x: torch.Tensor, conv: nn.Conv3d, form: str) -> torch.Tensor:
-    """``conv(x)`` by ``form`` (a key of :data:`FORMS`)."""
-    return FORMS[form](x, conv.weight, conv.bias)
-
-
-def _gemm(original: Any, conv: nn.Conv3d, form: str) -> Any:
+def _gemm(original: Any, conv: nn.Conv3d) -> Any:
     """The override factory (deep-copyable: ``conv`` is rebound to the copy by deepcopy's memo)."""
-    return functools.partial(gemm_conv_forward, conv=conv, form=form)
+    return functools.partial(gemm_conv_forward, conv=conv)
 
 
-def gemm_narrow_convs(model: nn.Module, narrow: int = NARROW, forms: tuple[str, ...] = DEFAULT_FORMS) -> dict[str, str]:
-    """Functional twin: compute every "same" ``Conv3d`` with fewer than ``narrow`` input or output
-    channels as a GEMM of ``forms``; returns ``{module name: form}`` (state-dict keys unchanged)."""
-    check_options(narrow, forms)
-    applied = {}
+def gemm_narrow_convs(model: nn.Module, narrow: int = NARROW) -> list[str]:
+    """Functional twin: compute every "same" ``Conv3d`` with fewer than ``narrow`` output channels by (2);
+    returns the rewritten modules' names (state-dict keys unchanged)."""
+    check_narrow(narrow)
+    names = []
     for name, module in model.named_modules():
-        if form := form_for(module, narrow, forms):
-            override_forward(module, functools.partial(_gemm, conv=module, form=form))
-            applied[name] = form
-    return applied
+        if is_narrow_output(module, narrow):
+            override_forward(module, functools.partial(_gemm, conv=module))
+            names.append(name)
+    return names
 
 
 class NarrowConvGemm(Recipe):
-    """Compute Med-DDPM's narrow end convolutions (64 -> 1; 3 -> 64 with ``forms``) as dense GEMMs."""
+    """Compute Med-DDPM's narrow output convolution (64 -> 1) as a dense GEMM and a tap sum."""
 
     name = "narrow_conv_gemm"
-    exact = False
-    tolerance = {"rtol": 1e-5, "atol": 1e-6}
-    stage = 10
-    conflicts = ("pad_conv_channels",)  # both replace the output convolution's forward
+    capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-5, "atol": 1e-6}, stage=10)
 
-    def __init__(self, narrow: int = NARROW, forms: Sequence[str] = DEFAULT_FORMS) -> None:
-        self.narrow, self.forms = narrow, tuple(forms)
-        check_options(self.narrow, self.forms)
-        self.applied: dict[str, str] = {}
+    def __init__(self, narrow: int = NARROW) -> None:
+        check_narrow(narrow)
+        self.narrow = narrow
+        self.applied: list[str] = []
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        self.applied = gemm_narrow_convs(model, self.narrow, self.forms)
+        self.applied = gemm_narrow_convs(model, self.narrow)
         return model
 
     def options(self) -> dict[str, Any]:
-        return {"narrow": self.narrow, "forms": list(self.forms)}
+        return {"narrow": self.narrow}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "gemm_convs": self.applied}

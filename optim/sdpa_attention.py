@@ -6,10 +6,9 @@ twice. SDPA's flash and memory-efficient kernels never materialise it.
 
 Layout: Med-DDPM's q, k, v are transposes of the qkv convolution's (B, 3C, T) output, so their
 channel axis has stride T. Flash, memory-efficient and cuDNN attention need stride 1 there; without
-a copy PyTorch falls back to the math kernel, which upcasts bf16 to float32 (measured on the H200,
-bench/results/h200/tuning/profile_channels_last_compiled_d08bb6f: a float32 SIMT GEMM of
-(4096 x 192) x (192 x 4096), 6 calls, 0.98 ms of a 22.9 ms forward). ``forward`` copies each to
-stride 1 first (three 4096 x 192 copies).
+a copy PyTorch falls back to the math kernel, which upcasts bf16 to float32 (a float32 SIMT GEMM of
+the logits in the H200 profile bench/results/h200/tuning/profile_channels_last_compiled_d08bb6f/).
+``forward`` copies each to stride 1 first (three 4096 x 192 copies).
 
 Equivalence: the reference scales q and k each by ch^(-1/4), i.e. the logits by 1/√ch, which
 is SDPA's ``scale``; the reference softmax runs in fp32, and flash/mem-efficient kernels also
@@ -30,7 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from optim.attention import AttentionCore
-from optim.base import Recipe, RecipeConflictError
+from optim.base import Capabilities, Recipe, RecipeConflictError
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -92,9 +91,7 @@ class SdpaAttention(Recipe):
     """Replace the reference attention product with ``scaled_dot_product_attention``."""
 
     name = "sdpa_attention"
-    exact = False
-    tolerance = {"rtol": 1e-5, "atol": 1e-6}
-    stage = 10
+    capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-5, "atol": 1e-6}, stage=10)
 
     def __init__(self, backends: list[str] | None = None) -> None:
         self.backends = list(backends) if backends else None

@@ -1,13 +1,17 @@
 """``RecipeStack``: the one object train, sample and bench call; validates, orders, composes.
 
-Ordering rules (plain data, like composer's passes), applied by sorting on ``Recipe.stage``:
-model surgery (attention, GroupNorm) -> checkpointing -> memory format -> AMP -> compile ->
-CUDA graphs. So the memory format is set before compile, compile sees the final model, and
-CUDA graphs capture the compiled forward. ``session()``s enter in that order and exit in
-reverse (composer's FILO rule).
+Everything the stack decides comes from each recipe's :class:`optim.Capabilities`; no recipe is
+special-cased:
 
-Conflicts are rejected up front with an error naming both recipes: two AMP recipes, two of
-the same recipe, ``cuda_graphs`` with ``compile(mode="reduce-overhead")`` (both capture graphs).
+* order: sorted by ``stage``: flags (tf32, cudnn_benchmark), model surgery, checkpointing, memory
+  format, AMP, compile, and last the optimiser's options. So the memory format is set before
+  compile and compile sees the final model. ``session()``s enter in that order and exit in reverse.
+* conflicts, refused up front with an error naming both recipes: two recipes of one ``kind`` (two
+  AMPs, ``compile`` with ``compile_cudagraphs``); two recipes that each bring a loss guard, or one
+  that does with a loss-scaling recipe; two recipes that set one flag, inductor or Adam option
+  differently.
+* the session: the strict-FP32 flags, every recipe's ``flags``, every recipe's ``inductor`` config,
+  then each recipe's own ``session()``; all restored on exit.
 
 The empty stack is the STRICT FP32 baseline: cuDNN conv TF32 is on by default in PyTorch, so
 ``RecipeStack([]).session()`` sets ``cudnn.conv`` and ``cuda.matmul`` fp32 precision to
@@ -25,60 +29,53 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from optim.amp import Amp, NonFiniteGuard
+from optim.amp import NonFiniteGuard
 from optim.base import DeviceInfo, Recipe, RecipeConflictError, UnsupportedRecipeError
-from optim.channels_last import ChannelsLast3d
-from optim.compile import Compile
-from optim.cuda_graphs import CudaGraphs
 from optim.flags import STRICT_FP32, effective_flags, set_flags
 
 
-def _conflicts(recipes: list[Recipe]) -> None:
-    """Raise :class:`RecipeConflictError` naming both recipes of the first incompatible pair."""
-    for i, a in enumerate(recipes):
-        for b in recipes[i + 1:]:
-            if a.name == b.name or b.name in a.conflicts or a.name in b.conflicts:
-                raise RecipeConflictError(f"recipes {a!r} and {b!r} cannot be combined "
-                                          f"(at most one {a.name!r} per stack)")
-    graphs = [r for r in recipes if isinstance(r, CudaGraphs)]
-    overhead = [r for r in recipes if isinstance(r, Compile) and r.mode == "reduce-overhead"]
-    if graphs and overhead:
-        raise RecipeConflictError(
-            f"recipes {overhead[0]!r} and {graphs[0]!r} cannot be combined: compile mode "
-            "'reduce-overhead' already captures CUDA graphs; use compile mode 'default' or "
-            "'max-autotune' with cuda_graphs, or drop cuda_graphs")
+def _kinds(recipes: list[Recipe]) -> None:
+    """Refuse two recipes of one kind (or one recipe twice), naming both."""
+    seen: dict[str, Recipe] = {}
+    for recipe in recipes:
+        kind = recipe.capabilities.kind or recipe.name
+        if kind in seen:
+            raise RecipeConflictError(f"recipes {seen[kind].name!r} and {recipe.name!r} cannot be combined "
+                                      f"(at most one {kind!r} recipe per stack)")
+        seen[kind] = recipe
 
 
 def _loss_guard(recipes: list[Recipe]) -> Any:
     """A recipe's own non-finite guard (built once), else the host guard.
 
-    Refused with fp16's GradScaler (it owns fused Adam's ``found_inf``) and when two recipes each bring a guard
-    (the loop asks one guard; picking either would silently drop the other's skip logic)."""
+    Refused with a loss-scaling recipe (fp16's GradScaler owns fused Adam's ``found_inf``) and when two recipes
+    each bring a guard (the loop asks one guard; picking either would silently drop the other's skip logic)."""
     guarded = [(r, g) for r in recipes if (g := r.loss_guard()) is not None]
     if len(guarded) > 1:
-        raise RecipeConflictError(f"recipes {guarded[0][0]!r} and {guarded[1][0]!r} cannot be combined: each brings "
-                                  "its own non-finite-loss guard and the training loop asks only one")
-    scaled = [r for r in recipes if isinstance(r, Amp) and r.dtype == torch.float16]
+        raise RecipeConflictError(f"recipes {guarded[0][0].name!r} and {guarded[1][0].name!r} cannot be combined: "
+                                  "each brings its own non-finite-loss guard and the training loop asks only one")
+    scaled = [r for r in recipes if r.capabilities.scales_loss]
     if guarded and scaled:
         raise RecipeConflictError(
-            f"recipes {guarded[0][0]!r} and {scaled[0]!r} cannot be combined: fp16's GradScaler sets fused Adam's "
-            "found_inf itself; use the host guard with amp_fp16")
+            f"recipes {guarded[0][0].name!r} and {scaled[0].name!r} cannot be combined: the loss scaler sets fused "
+            f"Adam's found_inf itself; use {guarded[0][0].name}'s host guard with {scaled[0].name}")
     return guarded[0][1] if guarded else NonFiniteGuard()
 
 
-def _merged(recipes: list[Recipe], hook: str, whose: str) -> dict[str, Any]:
-    """Union of every recipe's ``hook()`` dict; two recipes that set one key differently are refused."""
+def _merged(recipes: list[Recipe], values: Callable[[Recipe], Mapping[str, Any]], whose: str) -> dict[str, Any]:
+    """Union of every recipe's ``values``; two recipes that set one key differently are refused."""
     options: dict[str, tuple[Any, Recipe]] = {}
     for recipe in recipes:
-        for key, value in getattr(recipe, hook)().items():
+        for key, value in values(recipe).items():
             if key in options and options[key][0] != value:
-                raise RecipeConflictError(f"recipes {options[key][1]!r} and {recipe!r} cannot be combined: "
+                raise RecipeConflictError(f"recipes {options[key][1].name!r} and {recipe.name!r} cannot be combined: "
                                           f"they set {whose} {key} to {options[key][0]!r} and {value!r}")
             options[key] = value, recipe
     return {key: value for key, (value, _) in options.items()}
@@ -96,23 +93,16 @@ class RecipeStack:
         bad = [r for r in recipes if not isinstance(r, Recipe)]
         if bad:
             raise TypeError(f"RecipeStack takes optim.Recipe instances, got {bad!r}")
-        _conflicts(recipes)
-        self.recipes: list[Recipe] = sorted(recipes, key=lambda r: r.stage)
-        requests = self.inductor_options()
-        for r in self.recipes:
-            if isinstance(r, Compile):
-                r.request_inductor(requests)
+        _kinds(recipes)
+        self.recipes: list[Recipe] = sorted(recipes, key=lambda r: r.capabilities.stage)
+        self.flags = {**STRICT_FP32, **_merged(self.recipes, lambda r: r.capabilities.flags, "the flag")}
+        self.inductor = _merged(self.recipes, lambda r: r.capabilities.inductor, "inductor's")
         self.guard = _loss_guard(self.recipes)
-        self._notes: list[str] = []
-        if any(isinstance(r, Compile) for r in self.recipes):
-            for r in self.recipes:
-                if isinstance(r, ChannelsLast3d) and r.audit:
-                    r.audit = False
-                    self._notes.append("channels_last_3d layout audit off: torch.compile would trace its hooks")
+        self.first_call_s: float | None = None
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any] | None) -> RecipeStack:
-        """Instantiate every child node that has a ``_target_`` (the Hydra ``recipe`` group).
+        """Instantiate every child node that has a ``_target_`` (the Hydra ``recipe`` group), named by its key.
 
         ``None`` or ``{}`` (``recipe=[]``) gives the strict-FP32 baseline.
         """
@@ -125,6 +115,7 @@ class RecipeStack:
             recipe = instantiate(child)
             if not isinstance(recipe, Recipe):
                 raise TypeError(f"recipe config {key!r} built {type(recipe).__name__}, not an optim.Recipe")
+            recipe.name = str(key)
             recipes.append(recipe)
         return cls(recipes)
 
@@ -135,10 +126,16 @@ class RecipeStack:
     @property
     def exact(self) -> bool:
         """True when every recipe is bit-exact (the empty stack is)."""
-        return all(r.exact for r in self.recipes)
+        return all(r.capabilities.exact for r in self.recipes)
+
+    @property
+    def slow_first_call(self) -> bool:
+        """True when a recipe's first call compiles (the bench reports that call as compile time)."""
+        return any(r.capabilities.slow_first_call for r in self.recipes)
 
     def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
-        """``(False, "<name>: <reason>")`` for the first recipe the device cannot run."""
+        """``(False, "recipe '<name>' is unsupported on this device: <reason>; <fix>")`` for the first recipe
+        the device cannot run."""
         info = DeviceInfo.of(device)
         for recipe in self.recipes:
             ok, reason = recipe.supported(info)
@@ -153,26 +150,31 @@ class RecipeStack:
             raise UnsupportedRecipeError(reason)
 
     def require_training(self, grad_accum: int) -> None:
-        """Raise :class:`RecipeConflictError` with the reason of the first recipe the training loop cannot run
-        with ``grad_accum`` micro-batches per step."""
-        for recipe in self.recipes:
-            ok, reason = recipe.supports_training(grad_accum)
-            if not ok:
-                raise RecipeConflictError(f"recipe {recipe.name!r} cannot train with train.grad_accum={grad_accum}: "
-                                          f"{reason}")
+        """Refuse (:class:`RecipeConflictError`) a graph-capturing recipe with ``grad_accum`` > 1.
+
+        CUDA-graph trees reuse a replay's memory on the next replay, so a later micro-batch overwrites what an
+        earlier one's backward still needs (PyTorch issue 169545 raises; issue 96693 reports gradients
+        accumulated wrongly with no error)."""
+        graphs = [r for r in self.recipes if r.capabilities.captures_graphs]
+        if graphs and grad_accum > 1:
+            raise RecipeConflictError(
+                f"recipe {graphs[0].name!r} cannot train with train.grad_accum={grad_accum}: its CUDA graphs reuse a "
+                "replay's memory on the next replay, so gradients cannot be accumulated over micro-batches (PyTorch "
+                "issue 169545); use train.grad_accum=1 with a larger train.batch_size, or the compile recipe")
 
     def session_flags(self) -> dict[str, Any]:
         """The global flags a session of this stack sets: the strict baseline, then each recipe's."""
-        flags = dict(STRICT_FP32)
-        for recipe in self.recipes:
-            flags.update(recipe.flags())
-        return flags
+        return dict(self.flags)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """Strict-FP32 flags, then each recipe's session in order; all restored on exit."""
+        """Strict-FP32 and the recipes' flags, their inductor config, then each recipe's session; all restored."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(set_flags(STRICT_FP32))
+            stack.enter_context(set_flags(self.flags))
+            if self.inductor:
+                from torch._inductor import config as inductor_config
+
+                stack.enter_context(inductor_config.patch(self.inductor))
             for recipe in self.recipes:
                 stack.enter_context(recipe.session())
             yield
@@ -195,20 +197,17 @@ class RecipeStack:
             yield
 
     def grad_scaler(self, device_type: str = "cuda") -> torch.amp.GradScaler:
-        """The fp16 recipe's scaler, else a disabled one (one code path in the loop, as nanoGPT)."""
-        for recipe in self.recipes:
-            scaler = recipe.grad_scaler(device_type)
-            if scaler is not None:
-                return scaler
-        return torch.amp.GradScaler(device_type, enabled=False)
+        """A loss scaler, enabled when a recipe scales the loss (one code path in the loop, as nanoGPT)."""
+        scaled = any(r.capabilities.scales_loss for r in self.recipes)
+        return torch.amp.GradScaler(device_type, enabled=scaled)
 
     def optimizer_options(self) -> dict[str, Any]:
         """Every recipe's ``torch.optim.Adam`` keyword arguments; two recipes may not set one differently."""
-        return _merged(self.recipes, "optimizer_options", "Adam's")
+        return _merged(self.recipes, lambda r: r.optimizer_options(), "Adam's")
 
     def inductor_options(self) -> dict[str, Any]:
-        """Every recipe's requested inductor config (what the stack hands to its ``compile`` recipes)."""
-        return _merged(self.recipes, "inductor_options", "inductor's")
+        """The inductor config the session sets (every recipe's declared ``inductor``)."""
+        return dict(self.inductor)
 
     def finite_or_skip(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Non-finite-loss guard for the training loop: run backward and the optimiser step?
@@ -220,9 +219,16 @@ class RecipeStack:
         return self.guard(loss, optimizer)
 
     def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` once, timing it as compile time when a compile recipe is present."""
-        compiles = [r for r in self.recipes if isinstance(r, Compile)]
-        return compiles[0].measure_first_call(fn, *args, **kwargs) if compiles else fn(*args, **kwargs)
+        """Run ``fn`` once (the first step), recording its device-synchronised wall time as ``first_call_s``."""
+        sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        if sync:
+            sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if sync:
+            sync()
+        self.first_call_s = time.perf_counter() - start
+        return out
 
     def describe(self) -> dict[str, Any]:
         """JSON-able: the ordered recipes actually applied, backend flags, skipped steps.
@@ -234,11 +240,13 @@ class RecipeStack:
             "recipes": [r.describe() for r in self.recipes],
             "order": self.names,
             "exact": self.exact,
+            "slow_first_call": self.slow_first_call,
+            "first_call_s": self.first_call_s,
             "session_sets": self.session_flags(),
+            "inductor": self.inductor_options(),
             "effective_flags": effective_flags(),
             "optimizer_options": self.optimizer_options(),
             "skipped_steps": self.guard.skipped,
-            "notes": list(self._notes),
         }
 
     def __repr__(self) -> str:

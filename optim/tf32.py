@@ -13,20 +13,20 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch
-
-from optim.base import DeviceInfo, Recipe, cuda_capability_at_least
+from optim.base import Capabilities, Recipe
 from optim.flags import set_flags
 
 TF32 = {"cuda.matmul.fp32_precision": "tf32", "cudnn.conv.fp32_precision": "tf32"}
 
 
-def tf32_enabled(conv: bool = True, matmul: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Functional twin: a context in which fp32 conv and/or matmul may use TF32.
+def tf32_flags(conv: bool = True, matmul: bool = True) -> dict[str, str]:
+    """The ``fp32_precision`` flags (new API only) that let fp32 conv and/or matmul use TF32."""
+    return {k: v for k, v in TF32.items() if (conv if "conv" in k else matmul)}
 
-    Uses the new ``fp32_precision`` API only and restores the previous values on exit.
-    """
-    return set_flags(Tf32(conv, matmul).flags())
+
+def tf32_enabled(conv: bool = True, matmul: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Functional twin: a context in which fp32 conv and/or matmul may use TF32, restored on exit."""
+    return set_flags(tf32_flags(conv, matmul))
 
 
 class Tf32(Recipe):
@@ -37,18 +37,12 @@ class Tf32(Recipe):
     """
 
     name = "tf32"
-    exact = False
-    tolerance = {"rtol": 2e-2, "atol": 1e-4}
-    stage = 0
 
     def __init__(self, conv: bool = True, matmul: bool = True) -> None:
         self.conv, self.matmul = conv, matmul
-
-    def flags(self) -> dict[str, Any]:
-        return {k: v for k, v in TF32.items() if (self.conv if "conv" in k else self.matmul)}
-
-    def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
-        return cuda_capability_at_least(DeviceInfo.of(device), 8, "TF32")
+        self.capabilities = Capabilities(exact=False, tolerance={"rtol": 2e-2, "atol": 1e-4},
+                                         flags=tf32_flags(conv, matmul),
+                                         min_cuda_capability=8, requirement="TF32", fix="drop tf32 on this GPU")
 
     def options(self) -> dict[str, Any]:
         return {"conv": self.conv, "matmul": self.matmul}

@@ -3,10 +3,9 @@
 The decoder's ``Upsample`` doubles every spatial size with trilinear interpolation
 (``align_corners=False``). Its gradient is a scatter: each output voxel adds into eight input
 voxels. PyTorch's CUDA kernel and inductor's compiled form (``_unsafe_index_put`` with
-``accumulate=True``) both do that with atomic adds. In the H200 profile of the compiled NCDHW
-training step that kernel took 1.93 ms (bench/results/h200/tuning/profile_train_compiled_f2a54dc/);
-in the channels-last step, where neighbouring voxels' adds collide on C-strided addresses, 16.4 ms
-(.../profile_train_channels_last_4fe4200/).
+``accumulate=True``) both do that with atomic adds; in the channels-last step neighbouring voxels'
+adds collide on C-strided addresses, and the kernel became one of the step's largest
+(bench/results/h200/tuning/profile_train_channels_last_4fe4200/).
 
 For an exact ×2 the scatter has a closed-form gather. The interpolation is separable, and along
 one axis of size n, output j reads the source coordinate j/2 - 1/4 (clamped at 0), so
@@ -26,16 +25,13 @@ voxel's gradient is one sum, with no atomics, so it is also deterministic. The f
 ``F.interpolate`` itself, so outputs are bit-identical.
 
 Option ``forward="gather"`` also writes the forward as the separable formula above (one axis after
-another, float32, cast at the end) instead of ``F.interpolate``. Why: inductor's compiled
-``F.interpolate`` (``_unsafe_index`` loads) in the channels-last forward took 0.16 ms a call at
-128³ batch 1 but 10.5 ms at batch 4 on the H200 (round 8 profile,
-bench/results/h200/tuning/profile_channels_last_batch4_ac80870/): the batch > 1 regression.
+another, float32, cast at the end) instead of ``F.interpolate``. Why: at batch > 1 inductor's
+compiled channels-last ``F.interpolate`` (``_unsafe_index`` loads) walks the voxels in NCDHW order
+and stores to NDHWC addresses, uncoalesced (bench/results/h200/tuning/profile_channels_last_batch4_ac80870/).
 Not bit-identical to ``F.interpolate`` (another summation order; float32 rounding).
 
 Modules opt in by declaring ``interpolation = "trilinear_x2"`` and upsampling through
 ``self.interpolate(x)`` (Med-DDPM's ``Upsample``); the recipe sets that attribute on the instance.
-Measured on the H200 (round 6): the channels-last compiled train step at 128³ takes 66.3 ms with it,
-79.4 ms without.
 
 Example:
     >>> use_gather_upsample(model)   # Med-DDPM whole-head: the 4 decoder Upsamples
@@ -51,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optim.base import Recipe
+from optim.base import Capabilities, Recipe
 from optim.channels_last import is_only_channels_last_3d
 
 MODE = "trilinear_x2"
@@ -156,9 +152,7 @@ class GatherUpsample(Recipe):
     """Trilinear ×2 upsampling with an atomic-free, deterministic backward (same forward)."""
 
     name = "gather_upsample"
-    exact = False
-    tolerance = {"rtol": 1e-5, "atol": 1e-6}
-    stage = 10
+    capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-5, "atol": 1e-6}, stage=10)
 
     def __init__(self, forward: str = "interpolate") -> None:
         upsample_for(forward)  # a bad option fails when the stack is built, not at the first model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import stack_of, tiny_unet
 from functorch.compile import aot_module_simplified, make_boxed_func
@@ -70,6 +71,7 @@ def _strided_conv_operands(extra: list[str]) -> tuple[list[tuple[str, int]], int
     return strided, len(nodes)
 
 
+@pytest.mark.slow
 def test_compiled_backward_graph_has_no_strided_convolution_gradient() -> None:
     """The traced training graph (AOT autograd, what inductor compiles): without the recipe some
     convolution_backward calls get strided gradients (cuDNN would copy them inside the call); with it none.

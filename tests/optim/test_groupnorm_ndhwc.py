@@ -52,6 +52,7 @@ def test_bf16_gradients_match_autograds_and_keep_the_layout() -> None:
         torch.testing.assert_close(n.float(), r.float(), rtol=0, atol=1e-2 * r.abs().max().item())
 
 
+@pytest.mark.slow
 def test_recipe_option_reaches_every_norm_and_the_step_matches_autograds() -> None:
     x, t, target = tiny_batch()
     results = [train_step(RecipeStack([ChannelsLast3d(), FusedGroupNorm("torch", backward)]), tiny_unet(), x, t, target)

@@ -1,4 +1,4 @@
-"""narrow_conv_gemm: which convolutions it rewrites, and that equations (2) and (3) are the convolution."""
+"""narrow_conv_gemm: which convolutions it rewrites, and that equation (2) is the convolution."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_deepcopy_runs_the_copy, output_and_grads, tiny_batch, tiny_unet
 
-from optim import NarrowConvGemm, RecipeConflictError, RecipeStack, gemm_narrow_convs
+from optim import NarrowConvGemm, RecipeConflictError, gemm_narrow_convs
 from optim.forward_override import overrides
-from optim.narrow_conv import form_for, gemm_col2im_conv3d, im2col_conv3d
+from optim.narrow_conv import gemm_col2im_conv3d, is_narrow_output
 
 CL = torch.channels_last_3d
 F64 = torch.float64
@@ -23,10 +23,10 @@ def _conv(cin: int, cout: int, kernel, padding) -> torch.nn.Conv3d:
     return torch.nn.Conv3d(cin, cout, kernel, padding=padding).to(F64)
 
 
-@pytest.mark.parametrize("form", [im2col_conv3d, gemm_col2im_conv3d], ids=["im2col", "col2im"])
 @pytest.mark.parametrize(("cin", "cout", "kernel", "padding"), SHAPES)
-def test_both_forms_are_the_convolution_in_float64(form, cin, cout, kernel, padding) -> None:
-    """(2) and (3) are (1) in another summation order: equal to 1e-12, whichever channels are narrow."""
+def test_gemm_col2im_is_the_convolution_in_float64(cin, cout, kernel, padding) -> None:
+    """(2) is (1) in another summation order: equal to 1e-12, whichever channels are narrow."""
+    form = gemm_col2im_conv3d
     conv = _conv(cin, cout, kernel, padding)
     x = torch.randn(2, cin, 5, 6, 7, dtype=F64)
     torch.testing.assert_close(form(x, conv.weight, conv.bias), conv(x), rtol=0, atol=1e-12)
@@ -34,11 +34,10 @@ def test_both_forms_are_the_convolution_in_float64(form, cin, cout, kernel, padd
                                rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("form", [im2col_conv3d, gemm_col2im_conv3d], ids=["im2col", "col2im"])
-def test_gradients_pass_gradcheck(form) -> None:
+def test_gradients_pass_gradcheck() -> None:
     conv = _conv(2, 3, 3, 1)
     x = torch.randn(1, 2, 3, 4, 3, dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w, b: form(x, w, b), (x, conv.weight, conv.bias))
+    assert torch.autograd.gradcheck(gemm_col2im_conv3d, (x, conv.weight, conv.bias))
 
 
 def test_one_tap_worked_by_hand() -> None:
@@ -48,12 +47,11 @@ def test_one_tap_worked_by_hand() -> None:
     b = torch.tensor([0.5], dtype=F64)
     x = torch.tensor([1.0, 2.0, 3.0], dtype=F64).view(1, 1, 1, 1, 3)
     expected = [10 + 200 + 0.5, 1 + 20 + 300 + 0.5, 2 + 30 + 0.5]
-    for form in (im2col_conv3d, gemm_col2im_conv3d):
-        assert form(x, w, b).flatten().tolist() == expected
+    assert gemm_col2im_conv3d(x, w, b).flatten().tolist() == expected
 
 
-@pytest.mark.parametrize("form", [im2col_conv3d, gemm_col2im_conv3d], ids=["im2col", "col2im"])
-def test_output_keeps_the_input_layout_and_autocast_dtype(form) -> None:
+def test_output_keeps_the_input_layout_and_autocast_dtype() -> None:
+    form = gemm_col2im_conv3d
     conv = _conv(3, 16, 3, 1).float()
     x = torch.randn(1, 3, 4, 5, 6)
     assert form(x, conv.weight, conv.bias).is_contiguous()
@@ -66,27 +64,24 @@ def test_output_keeps_the_input_layout_and_autocast_dtype(form) -> None:
     assert (y.float() - conv(x)).abs().max() <= 2 ** -6 * conv(x).abs().max()
 
 
-def test_which_convolutions_get_which_form() -> None:
-    assert form_for(torch.nn.Conv3d(3, 64, 3, padding=1)) == "im2col"
-    assert form_for(torch.nn.Conv3d(64, 1, 3, padding=1)) == "col2im"
-    assert form_for(torch.nn.Conv3d(3, 1, 3, padding=1)) == "im2col"  # both narrow: K = 27 x 3 is the small side
-    assert form_for(torch.nn.Conv3d(8, 64, 3, padding=1)) is None  # BraTS's 8-channel input is already aligned
-    assert form_for(torch.nn.Conv3d(64, 4, 3, padding=1), narrow=4) is None
-    assert form_for(torch.nn.Conv3d(3, 64, 3, padding=1), forms=("col2im",)) is None
-    assert form_for(torch.nn.Conv3d(3, 1, 3, padding=1), forms=("col2im",)) == "col2im"
-    assert gemm_narrow_convs(tiny_unet()) == {"out.2": "col2im"}  # the default: im2col is slower than cuDNN
-    for conv in (torch.nn.Conv3d(3, 64, 3), torch.nn.Conv3d(3, 64, 3, padding=1, stride=2),
-                 torch.nn.Conv3d(3, 64, 3, padding=2, dilation=2), torch.nn.Conv3d(4, 64, 3, padding=1, groups=2),
-                 torch.nn.Conv3d(3, 64, 2, padding="same"), torch.nn.Conv3d(3, 64, 3, padding=1, padding_mode="reflect"),
-                 torch.nn.Conv2d(3, 64, 3, padding=1)):
-        assert form_for(conv) is None, conv
+def test_which_convolutions_are_rewritten() -> None:
+    assert is_narrow_output(torch.nn.Conv3d(64, 1, 3, padding=1))
+    assert is_narrow_output(torch.nn.Conv3d(3, 1, 3, padding=1))
+    assert not is_narrow_output(torch.nn.Conv3d(3, 64, 3, padding=1))  # narrow input: cuDNN is faster
+    assert not is_narrow_output(torch.nn.Conv3d(64, 4, 3, padding=1), narrow=4)
+    assert gemm_narrow_convs(tiny_unet()) == ["out.2"]
+    for conv in (torch.nn.Conv3d(64, 1, 3), torch.nn.Conv3d(64, 1, 3, padding=1, stride=2),
+                 torch.nn.Conv3d(64, 1, 3, padding=2, dilation=2), torch.nn.Conv3d(4, 2, 3, padding=1, groups=2),
+                 torch.nn.Conv3d(64, 1, 2, padding="same"), torch.nn.Conv3d(64, 1, 3, padding=1, padding_mode="reflect"),
+                 torch.nn.Conv2d(64, 1, 3, padding=1)):
+        assert not is_narrow_output(conv), conv
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["ncdhw", "ndhwc"])
 def test_tiny_unet_matches_forward_and_gradients(channels_last: bool) -> None:
     ref, model = tiny_unet(), tiny_unet()
     keys = list(model.state_dict())
-    assert gemm_narrow_convs(model, forms=("im2col", "col2im")) == {"input_blocks.0.0": "im2col", "out.2": "col2im"}
+    assert gemm_narrow_convs(model) == ["out.2"]
     assert list(model.state_dict()) == keys and len(overrides(model.get_submodule("out.2"))) == 1
     x, t, target = tiny_batch(batch=2)
     if channels_last:
@@ -96,23 +91,16 @@ def test_tiny_unet_matches_forward_and_gradients(channels_last: bool) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6 + 1e-5 * b.abs().max().item())  # the card's tolerance
 
 
-def test_deepcopy_runs_the_copy_and_describe_lists_the_forms() -> None:
+def test_deepcopy_runs_the_copy_and_describe_lists_the_convolutions() -> None:
     recipe = NarrowConvGemm()
     model = recipe.prepare_model(torch.nn.Sequential(torch.nn.Conv3d(16, 1, 3, padding=1)))
-    assert recipe.describe()["gemm_convs"] == {"0": "col2im"}
-    assert recipe.describe()["narrow"] == 8 and recipe.describe()["forms"] == ["col2im"]
+    assert recipe.describe()["gemm_convs"] == ["0"] and recipe.describe()["narrow"] == 8
     assert_deepcopy_runs_the_copy(model, torch.randn(1, 16, 4, 4, 4))
 
 
-def test_conflicts_with_pad_conv_channels_and_bad_options_are_refused() -> None:
-    with pytest.raises(RecipeConflictError, match="NarrowConvGemm.*PadConvChannels"):
-        RecipeStack.from_config({"narrow_conv_gemm": {"_target_": "optim.narrow_conv.NarrowConvGemm"},
-                                 "pad_conv_channels": {"_target_": "optim.pad_channels.PadConvChannels"}})
-    for narrow in (1, 0, 2.5):
+def test_bad_options_are_refused() -> None:
+    for narrow in (1, 0, 2.5, True):
         with pytest.raises(RecipeConflictError, match="narrow must be"):
             NarrowConvGemm(narrow)
         with pytest.raises(RecipeConflictError, match="narrow must be"):
             gemm_narrow_convs(torch.nn.Conv3d(8, 1, 3), narrow)
-    for forms in ((), ("im2col", "winograd")):
-        with pytest.raises(RecipeConflictError, match="forms must be"):
-            NarrowConvGemm(forms=forms)

@@ -1,34 +1,36 @@
 """The recipe contract, parametrised over every file in configs/recipe/ with no special cases.
 
-For each recipe config: it composes and instantiates to an ``optim.Recipe``; ``supported()``
-on CPU and on fake V100/H200 descriptors is ``(True, "")`` or ``(False, reason)`` and the stack
-refuses with that reason; where supported on this machine, a training step (forward, L1 loss,
-backward, Adam) on the tiny real UNet3D matches the strict-FP32 baseline within the recipe's
-declared tolerance (bit-exact when ``exact``), ``session()`` restores every observable global,
-and ``describe()`` (recipe and stack) is JSON-serialisable.
+For each recipe config: it composes and instantiates to an ``optim.Recipe`` named by its config and
+declaring :class:`optim.Capabilities`; ``supported()`` on CPU and on fake V100/H200 descriptors is
+``(True, "")`` or ``(False, "<reason>; <fix>")`` and the stack refuses with
+``recipe '<name>' is unsupported on this device: <reason>; <fix>``; the training loop's gradient
+accumulation is refused exactly for a graph-capturing recipe; where supported on this machine, a
+training step (forward, L1 loss, backward, Adam) on the tiny real UNet3D matches the strict-FP32
+baseline within the declared tolerance (bit-exact when ``exact``), ``session()`` restores every
+observable global, and ``describe()`` (recipe and stack) is JSON-serialisable.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import LR, RECIPE_DIR, assert_close, tiny_batch, tiny_unet, train_step
-from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from optim import DeviceInfo, Recipe, RecipeConflictError, RecipeStack, UnsupportedRecipeError
+from optim import Capabilities, DeviceInfo, Recipe, RecipeConflictError, RecipeStack, UnsupportedRecipeError
 
 DEVICES = [DeviceInfo("cpu"), DeviceInfo("cuda", (7, 0), "Tesla V100"), DeviceInfo("cuda", (9, 0), "H200")]
 
 
 def _params():
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
-        node = OmegaConf.load(path)
-        cls = get_class(next(iter(node.values()))["_target_"])
-        yield pytest.param(path, id=path.stem, marks=[pytest.mark.slow] if cls.slow_first_call else [])
+        recipe, stack = load_stack(path)  # slow: it compiles here (a refused recipe runs no step)
+        slow = recipe.capabilities.slow_first_call and stack.supported("cpu")[0]
+        yield pytest.param(path, id=path.stem, marks=[pytest.mark.slow] if slow else [])
 
 
 def load_stack(path: Path) -> tuple[Recipe, RecipeStack]:
@@ -73,21 +75,25 @@ def baseline():
 @pytest.mark.parametrize("path", list(_params()))
 def test_recipe_contract(path: Path, baseline) -> None:
     recipe, stack = load_stack(path)
+    assert recipe.name == path.stem and isinstance(recipe.capabilities, Capabilities)
+    assert type(recipe)(**recipe.options()).name == path.stem, "built in Python, the recipe has its config's name"
     json.dumps(recipe.describe())
 
-    for device in DEVICES:  # supported() answers, and the stack refuses with the same reason
+    for device in DEVICES:  # supported() answers "<reason>; <fix>", and the stack refuses with it by name
         ok, reason = recipe.supported(device)
-        assert isinstance(ok, bool) and isinstance(reason, str) and (ok or reason)
+        assert isinstance(ok, bool) and isinstance(reason, str) and ok == (not reason)
         if not ok:
-            with pytest.raises(UnsupportedRecipeError, match=reason.split(";")[0][:40]):
+            assert "; " in reason, f"{path.stem}: a refusal says how to fix it: {reason!r}"
+            assert stack.supported(device) == (False, f"recipe {path.stem!r} is unsupported on this device: {reason}")
+            with pytest.raises(UnsupportedRecipeError, match=re.escape(f"recipe {path.stem!r} is unsupported")):
                 stack.require(device)
 
-    for grad_accum in (1, 2):  # the training loop's micro-batches: one always works; a refusal says why
-        ok, reason = recipe.supports_training(grad_accum)
-        assert isinstance(ok, bool) and isinstance(reason, str) and (ok or (reason and grad_accum > 1))
-        if not ok:
-            with pytest.raises(RecipeConflictError, match=f"cannot train with train.grad_accum={grad_accum}"):
-                stack.require_training(grad_accum)
+    stack.require_training(1)  # the training loop's micro-batches: one always works; more unless graphs replay
+    if recipe.capabilities.captures_graphs:
+        with pytest.raises(RecipeConflictError, match=f"recipe {path.stem!r} cannot train with train.grad_accum=2"):
+            stack.require_training(2)
+    else:
+        stack.require_training(2)
 
     ok, reason = stack.supported("cpu")
     if not ok:
@@ -99,15 +105,23 @@ def test_recipe_contract(path: Path, baseline) -> None:
     result = train_step(stack, tiny_unet(), *tiny_batch())
     assert observable_globals() == before, "session() did not restore the process globals"
 
-    tol = recipe.tolerance
-    assert_close("forward", result.output, baseline.output, recipe.exact, tol)
-    assert_close("loss", result.loss, baseline.loss, recipe.exact, tol)
+    exact, tol = recipe.capabilities.exact, recipe.capabilities.tolerance
+    assert_close("forward", result.output, baseline.output, exact, tol)
+    assert_close("loss", result.loss, baseline.loss, exact, tol)
     # One gradient vector: a conv bias feeding a GroupNorm has a ~0 gradient, so per-tensor
     # relative error would measure noise; the step's gradient as a whole is what matters.
     flat = [torch.cat([g[n].flatten() for n in baseline.grads]) for g in (result.grads, baseline.grads)]
-    assert_close("gradient", *flat, recipe.exact, tol)
+    assert_close("gradient", *flat, exact, tol)
     for name, param in baseline.params.items():
         # Adam moves each weight by ~lr whatever the gradient's size, so near-zero gradients
         # may flip an approximate recipe's update: allow 2 lr beyond the tolerance.
-        assert_close(f"param {name}", result.params[name], param, recipe.exact, tol, slack=2 * LR)
+        assert_close(f"param {name}", result.params[name], param, exact, tol, slack=2 * LR)
     json.dumps(stack.describe())
+
+
+@pytest.mark.parametrize("name", ["amp_fp16", "compile_cudagraphs"])
+def test_gpu_only_recipes_are_refused_on_a_cpu_as_their_cards_say(name: str) -> None:
+    """float16 CPU autocast runs about 100x slower than float32, and inductor on a CPU has no CUDA graphs: both
+    would time or train silently without what the recipe promises, so both are refused with a fix."""
+    ok, reason = load_stack(RECIPE_DIR / f"{name}.yaml")[1].supported("cpu")
+    assert not ok and reason.startswith(f"recipe {name!r} is unsupported on this device: ") and "not cpu; " in reason

@@ -84,6 +84,7 @@ def test_recipe_option_picks_the_forward_and_rejects_unknown_ones() -> None:
         use_gather_upsample(model, forward="scatter")
 
 
+@pytest.mark.slow
 def test_the_unet_upsamples_are_swapped_keys_kept_and_gradients_equal() -> None:
     ref, model = tiny_unet(), tiny_unet()  # identical, every layer non-zero (randomize_zero_init)
     keys = list(model.state_dict())
