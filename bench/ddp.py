@@ -1,7 +1,7 @@
 """DDP scaling of the real training step: ``torchrun --nproc_per_node=N -m bench.ddp [overrides]``.
 
 Every rank times :func:`med_ddpm.train.train_step` (forward, loss, ``no_sync`` micro-steps,
-backward with DDP's gradient all-reduce, Adam, the all-reduced loss) on one batch held in
+backward with DDP's gradient all-reduce, Adam, the all-reduced loss, rank 0's EMA update) on one batch held in
 memory, so the input pipeline is not measured. Rank 0 appends one ``results.jsonl`` row
 (:mod:`bench.records` schema, ``scenario="ddp_train_step"``) with:
 
@@ -22,6 +22,7 @@ Example (one node; the config overrides are the training ones):
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import time
@@ -77,11 +78,7 @@ def time_ranks(job: Job, warmup: int, iters: int) -> dict[str, Any]:
     with job.stack.session():
         job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
         batches = memory_batches(job)
-
-        def step() -> None:
-            train_step(job, batches)
-            job.step += 1
-
+        step = functools.partial(train_step, job, batches)
         first_call_s = time_once(step, job.device)
         timings = time_fn(step, warmup=warmup, iters=iters, device=job.device)
         with job.stack.forward_context():
