@@ -3,11 +3,12 @@
 Each builder returns a zero-argument ``step()`` that runs what ``med_ddpm.train`` or
 ``med_ddpm.sample`` runs per iteration, with every recipe hook in the same place:
 
-* ``train_step``   :func:`med_ddpm.train.train_step` itself, the loop's one optimizer step. One timed
-  call = ``bench.train.grad_accum`` micro-batches of (input layout, t/ε draws, forward + L1 ε-loss
-  under ``forward_context``, the non-finite guard, backward), then Adam, then the EMA update on the
-  steps its cadence (``bench.train.ema_every``) picks. Not timed: data loading and the host-to-device
-  copy (the batch is already on the device), logging, checkpoints.
+* ``train_step``   :func:`med_ddpm.train.train_step` itself, the loop's one optimizer step, with the
+  config's ``train`` keys. One timed call = ``train.grad_accum`` micro-batches of (input layout,
+  t/ε draws, forward + L1 ε-loss under ``forward_context``, the non-finite guard, backward), then
+  Adam, then the EMA update on the steps its cadence (``train.ema_every``) picks (``bench.ema=false``:
+  none). Not timed: data loading and the host-to-device copy (the batch is already on the device),
+  logging, checkpoints.
 * ``denoise_step`` one network forward under ``no_grad`` (the unit of sampling cost);
 * ``full_sample``  the whole reverse chain through :func:`med_ddpm.samplers.sample`.
 
@@ -89,10 +90,8 @@ def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed:
 
 
 def train_config(cfg: Mapping) -> Any:
-    """The slice of a training config that :func:`med_ddpm.train.train_step` reads, from a bench config."""
-    bench = cfg["bench"]
-    return OmegaConf.create({"seed": int(cfg["seed"]), "diffusion": dict(cfg["diffusion"]),
-                             "train": {**bench["train"], "batch_size": int(bench["batch_size"])}})
+    """The slice of a bench config that :func:`med_ddpm.train.train_step` reads (a training config's keys)."""
+    return OmegaConf.create({key: cfg[key] for key in ("seed", "diffusion", "train")})
 
 
 def _train_step(parts: Parts, cfg: Mapping) -> Step:
@@ -152,7 +151,7 @@ def model_calls(cfg: Mapping) -> int:
     for a full sample."""
     scenario = cfg["bench"]["scenario"]
     if scenario == "train_step":
-        return int(cfg["bench"]["train"]["grad_accum"])
+        return int(cfg["train"]["grad_accum"])
     if scenario == "full_sample":
         return int(cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"])
     return 1
@@ -193,7 +192,7 @@ def _check_finite(out: torch.Tensor, when: str) -> None:
 
 
 def _with_ema(cfg: Mapping) -> bool:
-    return cfg["bench"]["scenario"] == "train_step" and bool(cfg["bench"]["train"]["ema"])
+    return cfg["bench"]["scenario"] == "train_step" and bool(cfg["bench"]["ema"])
 
 
 @contextlib.contextmanager
@@ -213,7 +212,7 @@ def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
     with stack.session():
         # random (not zero-initialised) residual branches: real data through every kernel, real NaN checks
         net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"])).to(device)
-        ema = new_ema(net, float(bench["train"]["ema_decay"])) if _with_ema(cfg) else None  # before prepare, as build()
+        ema = new_ema(net, float(cfg["train"]["ema_decay"])) if _with_ema(cfg) else None  # before prepare, as build()
         schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
         yield Parts(net, stack.prepare_model(net), ema, schedule, stack, x0, cond)

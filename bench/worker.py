@@ -103,7 +103,7 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
         "model": job["model"],
         "image_size": list(cfg["model"]["image_size"]),
         "batch_size": int(cfg["bench"]["batch_size"]),
-        "grad_accum": int(cfg["bench"]["train"]["grad_accum"]) if training else None,
+        "grad_accum": int(cfg["train"]["grad_accum"]) if training else None,
         "sampler": sampler_label(cfg["sampler"]) if sampling else None,
         "steps": (cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"]) if sampling else None,
         "recipes": list(job["recipes"]),

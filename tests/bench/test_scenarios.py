@@ -18,7 +18,7 @@ def bench_cfg(tmp_path, *overrides: str) -> dict:
 
 
 def test_the_timed_train_step_is_the_loops_train_step(tmp_path):
-    cfg = bench_cfg(tmp_path, "bench.train.grad_accum=2", "bench.train.ema_every=2")
+    cfg = bench_cfg(tmp_path, "train.grad_accum=2", "train.ema_every=2")
     with prepared_step(cfg, torch.device("cpu")) as (step, _stack):
         assert isinstance(step, functools.partial) and step.func is train.train_step
         state = step.args[0]
@@ -38,12 +38,12 @@ def test_the_timed_train_step_is_the_loops_train_step(tmp_path):
 
 
 def test_the_ema_can_be_switched_off(tmp_path):
-    with prepared_step(bench_cfg(tmp_path, "bench.train.ema=false"), torch.device("cpu")) as (step, _stack):
+    with prepared_step(bench_cfg(tmp_path, "bench.ema=false"), torch.device("cpu")) as (step, _stack):
         assert step.args[0].ema is None and torch.isfinite(step())
 
 
 def test_throughput_counts_every_micro_batch(tmp_path):
-    cfg = bench_cfg(tmp_path, "bench.train.grad_accum=2", "bench.batch_size=3")
+    cfg = bench_cfg(tmp_path, "train.grad_accum=2", "bench.batch_size=3")
     assert (model_calls(cfg), volumes_per_call(cfg)) == (2, 6)
     fields = run_scenario(cfg, torch.device("cpu"))
     assert fields["volumes_per_s"] == pytest.approx(6 / (fields["ms_median"] / 1e3))
