@@ -72,8 +72,8 @@ def _launchers(prof: torch.profiler.profile) -> dict[str, str]:
 
 def _is_annotation(event: Any) -> bool:
     """A ``record_function`` range mirrored onto the GPU timeline (inductor's ``## Call
-    CompiledFxGraph ... ##``): it spans kernels that are also listed, so counting it would double
-    the step's GPU time (seen once with ``record_shapes`` on: 31.7 ms "other" in a 22.9 ms step)."""
+    CompiledFxGraph ... ##``): it spans kernels that are also listed, so counting it would count the
+    step's GPU time twice."""
     return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("## ")
 
 
