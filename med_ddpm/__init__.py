@@ -12,6 +12,8 @@ do not pull in torch:
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS = {
@@ -42,3 +44,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets it as an attribute of its package, so ``import med_ddpm.sample`` (the
+    sampling command) would replace the API's ``med_ddpm.sample`` function with that module. The
+    package keeps its API names; the command stays ``sys.modules["med_ddpm.sample"]`` (``python -m
+    med_ddpm.sample``, ``from med_ddpm.sample import run``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -41,6 +41,13 @@ def test_from_import_and_attribute_access_in_a_fresh_interpreter():
     assert out.split() == ["med_ddpm.model", "med_ddpm.distributed"]
 
 
+def test_sample_stays_the_function_when_the_sampling_command_is_imported():
+    from med_ddpm.sample import run  # the `python -m med_ddpm.sample` module, imported as tests and bench do
+    from med_ddpm.samplers import sample
+
+    assert callable(run) and med_ddpm.sample is sample and sys.modules["med_ddpm.sample"].run is run
+
+
 def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'load_checkpiont'"):
         med_ddpm.load_checkpiont  # noqa: B018
