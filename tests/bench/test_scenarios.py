@@ -13,6 +13,16 @@ from bench.scenarios import model_calls, prepared_step, run_scenario, volumes_pe
 from med_ddpm import train
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As bench.worker runs experiment=bench_smoke (bench.threads=1): two threads on a busy 2-core box are
+    several times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def bench_cfg(tmp_path, *overrides: str) -> dict:
     return compose_job(["experiment=bench_smoke", "bench=train_step", *overrides], tmp_path)["config"]
 
@@ -37,16 +47,24 @@ def test_the_timed_train_step_is_the_loops_train_step(tmp_path):
         assert state.step == 2 and all(torch.equal(a, b) for a, b in zip(ema_after_first, state.ema.module.parameters()))
 
 
+def run_flops(tmp_path) -> int:
+    from bench.scenarios import model_flops
+
+    return model_flops(bench_cfg(tmp_path, "train.grad_accum=1"))
+
+
 def test_the_ema_can_be_switched_off(tmp_path):
     with prepared_step(bench_cfg(tmp_path, "bench.ema=false"), torch.device("cpu")) as (step, _stack):
         assert step.args[0].ema is None and torch.isfinite(step())
 
 
+@pytest.mark.filterwarnings("ignore:noisy timing")
 def test_throughput_counts_every_micro_batch(tmp_path):
-    cfg = bench_cfg(tmp_path, "train.grad_accum=2", "bench.batch_size=3")
-    assert (model_calls(cfg), volumes_per_call(cfg)) == (2, 6)
+    cfg = bench_cfg(tmp_path, "train.grad_accum=2", "bench.warmup=0", "bench.iters=2")
+    assert (model_calls(cfg), volumes_per_call(cfg)) == (2, 2)
     fields = run_scenario(cfg, torch.device("cpu"))
-    assert fields["volumes_per_s"] == pytest.approx(6 / (fields["ms_median"] / 1e3))
+    assert fields["volumes_per_s"] == pytest.approx(2 / (fields["ms_median"] / 1e3))
+    assert fields["flops"] == 2 * run_flops(tmp_path)  # two micro-batches: twice one forward + backward
     assert fields["compile_s"] is None  # no recipe compiles
     denoise = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.batch_size=3"], tmp_path)["config"]
     assert (model_calls(denoise), volumes_per_call(denoise)) == (1, 3)
