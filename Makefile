@@ -47,12 +47,12 @@ bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 	@cat $(SWEEP_DIR)/report.md
 
-bench: $(STAMP) ## the GPU ladder (whole-head 128^3 train/denoise/sample x recipes x batch; LADDER_ARGS='preset=core budget_s=540')
+bench: $(STAMP) ## a benchmark ladder, preset=gpu unless LADDER_ARGS says (LADDER_ARGS='preset=core budget_s=540')
 	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 
-profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step)
-	$(BIN)/python -m bench.profile 'recipe=$(or $(RECIPE),[])' bench=$(or $(BENCH),train_step)
+profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step PROFILE_ARGS=...)
+	$(BIN)/python -m bench.profile 'recipe=$(or $(RECIPE),[])' bench=$(or $(BENCH),train_step) $(PROFILE_ARGS)
 
 counters: $(STAMP) ## Nsight Compute counters of one recipe stack (RECIPE='[tf32]' BENCH=denoise_step COUNTERS_ARGS=...)
 	$(BIN)/python -m bench.counters $(if $(RECIPE),'recipe=$(RECIPE)') bench=$(or $(BENCH),train_step) $(COUNTERS_ARGS)

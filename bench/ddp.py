@@ -1,7 +1,7 @@
 """DDP scaling of the real training step: ``torchrun --nproc_per_node=N -m bench.ddp [overrides]``.
 
 Every rank times :func:`med_ddpm.train.train_step` (forward, loss, ``no_sync`` micro-steps,
-backward with DDP's gradient all-reduce, Adam, the all-reduced loss) on one batch held in
+backward with DDP's gradient all-reduce, Adam, the all-reduced loss, rank 0's EMA update) on one batch held in
 memory, so the input pipeline is not measured. Rank 0 appends one ``results.jsonl`` row
 (:mod:`bench.records` schema, ``scenario="ddp_train_step"``) with:
 
@@ -9,27 +9,30 @@ memory, so the input pipeline is not measured. Rank 0 appends one ``results.json
   ``ms_median_per_rank``;
 * ``volumes_per_s`` = world·batch·grad_accum / step time (all GPUs), ``volumes_per_s_per_gpu``;
 * ``scaling_efficiency`` = volumes_per_s / (world · 1-process volumes/s). The 1-process figure
-  is ``--baseline`` (volumes/s) or, by default, the latest ``world_size=1`` row of the same
+  is ``ddp.baseline`` (volumes/s) or, by default, the latest ``world_size=1`` row of the same
   workload in the results file: run ``--nproc_per_node=1`` first. A world of one is its own
   baseline (DDP of one process: the wrapper's overhead is in it).
 
-Example (one node; the config overrides are the training ones):
-    torchrun --nproc_per_node=1 -m bench.ddp --out results/ddp model=medddpm_whole_head
-    torchrun --nproc_per_node=8 -m bench.ddp --out results/ddp model=medddpm_whole_head
+Example (one node; ``configs/ddp.yaml`` is the training config plus ``ddp.*``, so the overrides are the
+training ones):
+    torchrun --nproc_per_node=1 -m bench.ddp ddp.out=results/ddp model=medddpm_whole_head
+    torchrun --nproc_per_node=8 -m bench.ddp ddp.out=results/ddp model=medddpm_whole_head
     python -m bench.report results/ddp
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import itertools
 import math
 import time
 from pathlib import Path
 from typing import Any
 
+import hydra
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf, open_dict
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import default_collate
 
 from bench.records import MEASURED_FIELDS, RESULTS_FILE, append_row, job_key, read_rows
@@ -43,22 +46,10 @@ from med_ddpm.utils import env_info
 SCENARIO = "ddp_train_step"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="results/ddp", help=f"folder of the {RESULTS_FILE} row (default results/ddp)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first (default 5)")
-    p.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
-    p.add_argument("--baseline", type=float, default=None,
-                   help="1-process volumes/s; default: the results file's world_size=1 row of this workload")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/train.yaml (model=..., 'recipe=[...]')")
-    return p.parse_args(argv)
-
-
-def compose_config(overrides: list[str], out: Path):
-    """The training config (``configs/train.yaml`` + overrides) and the chosen model config's name."""
+def compose_config(overrides: list[str], out: Path) -> tuple[DictConfig, str]:
+    """``configs/ddp.yaml`` + overrides, as the command line composes it, and the model config's name."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*overrides, f"output_dir={out}", "train.progress=false"],
-                      return_hydra_config=True)
+        cfg = compose(config_name="ddp", overrides=[*overrides, f"ddp.out={out}"], return_hydra_config=True)
     model_name = cfg.hydra.runtime.choices.get("model")
     with open_dict(cfg):
         del cfg["hydra"]
@@ -77,11 +68,7 @@ def time_ranks(job: Job, warmup: int, iters: int) -> dict[str, Any]:
     with job.stack.session():
         job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
         batches = memory_batches(job)
-
-        def step() -> None:
-            train_step(job, batches)
-            job.step += 1
-
+        step = functools.partial(train_step, job, batches)
         first_call_s = time_once(step, job.device)
         timings = time_fn(step, warmup=warmup, iters=iters, device=job.device)
         with job.stack.forward_context():
@@ -101,7 +88,7 @@ def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> float | None:
 
 
 def base_row(cfg, model_name: str | None, world: int) -> dict[str, Any]:
-    recipes = OmegaConf.to_container(cfg.get("recipe") or {}, resolve=True)
+    recipes = OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") else {}
     return {
         "scenario": SCENARIO, "model": model_name, "image_size": list(cfg.model.image_size),
         "batch_size": int(cfg.train.batch_size), "grad_accum": int(cfg.train.grad_accum),
@@ -134,25 +121,24 @@ def measurements(cfg, ranks: list[dict[str, Any]], world: int, baseline: float |
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
     """Run on every rank; rank 0 writes and returns the row."""
-    args = parse_args(argv)
-    out = Path(args.out)
-    cfg, model_name = compose_config(args.overrides, out)
+    opts = cfg.ddp
+    out = Path(opts.out)
     job = build(cfg)  # joins torchrun's process group
     world, results = distributed.world_size(), out / RESULTS_FILE
     row = base_row(cfg, model_name, world) | {"env": env_info(job.device)}
     start = time.perf_counter()
     try:
-        mine = time_ranks(job, args.warmup, args.iters)
+        mine = time_ranks(job, opts.warmup, opts.iters)
     except Exception as err:  # the failing rank records why; torchrun then stops the others
         row["status"], row["message"] = classify(err)
         append_row(results, row | {"message": f"rank {distributed.rank()}: {row['message']}"})
         raise
     ranks = distributed.all_gather_object(mine)
     if distributed.is_main():
-        baseline = args.baseline if args.baseline is not None else baseline_volumes_per_s(results, row)
-        row.update(measurements(cfg, ranks, world, baseline, args.iters, args.warmup), status="ok",
+        baseline = opts.baseline if opts.baseline is not None else baseline_volumes_per_s(results, row)
+        row.update(measurements(cfg, ranks, world, baseline, opts.iters, opts.warmup), status="ok",
                    wall_s=time.perf_counter() - start)
         append_row(results, row)
         eff = row["scaling_efficiency"]
@@ -161,6 +147,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
               f"{'n/a (no 1-process baseline)' if eff is None else f'{eff:.1%}'} -> {results}")
     distributed.cleanup()
     return row if distributed.rank() == 0 else None
+
+
+@hydra.main(config_path="../configs", config_name="ddp", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    measure(cfg, HydraConfig.get().runtime.choices.get("model"))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ Example:
     python -m bench.profile 'recipe=[amp_bf16]' bench=train_step
     python -m bench.profile -m 'recipe=[],[tf32],[amp_bf16]' bench=denoise_step   # one bar per stack
     python -m bench.profile 'recipe=[amp_bf16]' profile.ncu=true                  # + Nsight Compute
+    python -m bench.profile 'profile.compare={before: a/denoise_step_fp32.json, after: b/denoise_step_fp32.json}' \
+        profile.out=results/compare                                             # saved profiles side by side
 
 Runs the real step (:func:`bench.scenarios.prepared_step`) for ``profile.warmup`` untimed and
 ``profile.steps`` profiled calls under ``torch.profiler`` and attributes the time to kernel
@@ -13,6 +15,10 @@ the sweep dir in multirun): ``<label>.json`` per stack, then ``profile.md`` and
 ``profile_breakdown.png`` rebuilt from every JSON there, so a multirun gets one table and one
 stacked bar per stack. Profiling runs in this process (multirun jobs share it; the stacks'
 sessions restore their flags and compile caches): use ``bench.sweep`` for timings of record.
+
+``profile.compare={NAME: PROFILE.json, ...}`` profiles nothing: it puts saved profiles side by side
+under the given names (one stack profiled at two commits has one label), with the change from the
+first to the last, in ``profile_compare.md`` and ``profile_compare.png``.
 
 ``profile.ncu=true`` re-runs the job under ``ncu --clock-control none`` (one warm-up and one
 profiled call, the top kernels only) and adds IPC, tensor-pipe utilisation, achieved occupancy,
@@ -66,8 +72,8 @@ def _launchers(prof: torch.profiler.profile) -> dict[str, str]:
 
 def _is_annotation(event: Any) -> bool:
     """A ``record_function`` range mirrored onto the GPU timeline (inductor's ``## Call
-    CompiledFxGraph ... ##``): it spans kernels that are also listed, so counting it would double
-    the step's GPU time (seen once with ``record_shapes`` on: 31.7 ms "other" in a 22.9 ms step)."""
+    CompiledFxGraph ... ##``): it spans kernels that are also listed, so counting it would count the
+    step's GPU time twice."""
     return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("## ")
 
 
@@ -152,6 +158,42 @@ def write_outputs(out: Path, record: dict) -> Path:
     return atomic_write_text(out / "profile.md", text + "\n![breakdown](profile_breakdown.png)\n")
 
 
+def load_named(named: dict[str, str]) -> list[dict]:
+    """Saved profiles, each relabelled with its name (its recipes kept as ``stack``); a file that is not
+    a profile is an error naming it."""
+    if len(named) < 2:
+        raise SystemExit(f"bench.profile: profile.compare needs two or more NAME: PROFILE.json entries, got {named}")
+    profiles = []
+    for name, path in named.items():
+        record = kernels.load_profile(Path(path), "bench.profile")
+        profiles.append({**record, "label": name, "stack": record["label"], "file": str(path)})
+    return profiles
+
+
+def change_table(profiles: list[dict]) -> str:
+    """Per category: ms/step of the first and last profile and the difference (last - first)."""
+    first, last = profiles[0], profiles[-1]
+    lines = [f"## Change from {first['label']} to {last['label']}", "",
+             "| category | first ms | last ms | change ms |", "|---|---|---|---|"]
+    for cat in kernels.CATEGORY_NAMES:
+        a, b = first["categories_ms"][cat], last["categories_ms"][cat]
+        lines.append(f"| {cat} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
+    a, b = first["total_ms"], last["total_ms"]
+    lines.append(f"| **total** | **{a:.3f}** | **{b:.3f}** | **{b - a:+.3f}** |")
+    return "\n".join(lines) + "\n"
+
+
+def write_comparison(out: Path, profiles: list[dict]) -> Path:
+    """``profile_compare.md`` (categories, top kernels, legend, change) and ``profile_compare.png``."""
+    legend = "".join(f"- **{p['label']}**: `{p['stack']}`, {p['scenario']}, batch {p['batch_size']} (`{p['file']}`)\n"
+                     for p in profiles)
+    text = (kernels.markdown(profiles) + "\nProfiles:\n" + legend + "\n" + change_table(profiles)
+            + "\n![breakdown](profile_compare.png)\n")
+    out.mkdir(parents=True, exist_ok=True)
+    kernels.stacked_bar_png(profiles, out / "profile_compare.png")
+    return atomic_write_text(out / "profile_compare.md", text)
+
+
 # ---------------------------------------------------------------------------- Nsight Compute
 def parse_ncu_csv(text: str) -> list[dict[str, str]]:
     """Rows of ``ncu --csv --page raw`` (a header row, a units row, then one row per kernel launch)."""
@@ -208,9 +250,12 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
     config = job["config"]
+    out = Path(config["profile"]["out"] or sweep_dir_of(hc))
+    if config["profile"]["compare"]:
+        print(write_comparison(out, load_named(config["profile"]["compare"])))
+        return
     device = resolve_device(config["device"])
     label = profile_label(job)
-    out = Path(config["profile"]["out"] or sweep_dir_of(hc))
     events, launchers, timeline = profile_step(config, device)
     record = summarise(events, label, config, device, launchers, timeline)
     if config["profile"]["ncu"]:

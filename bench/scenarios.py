@@ -1,9 +1,14 @@
 """The three benchmark scenarios: the real training/sampling step, cut down to one timed call.
 
-Each builder returns a zero-argument ``step()`` that does exactly what ``med_ddpm.train`` or
-``med_ddpm.sample`` does per iteration, with every recipe hook in the same place:
+Each builder returns a zero-argument ``step()`` that runs what ``med_ddpm.train`` or
+``med_ddpm.sample`` runs per iteration, with every recipe hook in the same place:
 
-* ``train_step``   forward + L1 ε-loss (under ``forward_context``) + backward + Adam step;
+* ``train_step``   :func:`med_ddpm.train.train_step` itself, the loop's one optimizer step, with the
+  config's ``train`` keys. One timed call = ``train.grad_accum`` micro-batches of (input layout,
+  t/ε draws, forward + L1 ε-loss under ``forward_context``, the non-finite guard, backward), then
+  Adam, then the EMA update on the steps its cadence (``train.ema_every``) picks (``bench.ema=false``:
+  none). Not timed: data loading and the host-to-device copy (the batch is already on the device),
+  logging, checkpoints.
 * ``denoise_step`` one network forward under ``no_grad`` (the unit of sampling cost);
 * ``full_sample``  the whole reverse chain through :func:`med_ddpm.samplers.sample`.
 
@@ -19,12 +24,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from bench.timing import (
     achieved_tflops,
@@ -36,26 +46,36 @@ from bench.timing import (
     time_fn,
     time_once,
 )
-from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
-from med_ddpm.model import build_model
+from med_ddpm.diffusion import NoiseSchedule
+from med_ddpm.model import UNet3D, build_model
 from med_ddpm.quality import randomize_zero_init
 from med_ddpm.samplers import sample, sampler_from_config
+from med_ddpm.train import TrainState, new_ema, train_step
 from med_ddpm.utils import seed_everything
-from optim import RecipeStack
+from optim import RecipeConflictError, RecipeStack
 
 Step = Callable[[], torch.Tensor]
-Parts = tuple[nn.Module, NoiseSchedule, RecipeStack, torch.Tensor, torch.Tensor]  # model, schedule, stack, x0, cond
-ADAM_LR = 1e-5  # Med-DDPM's training learning rate
-READ_LOSS = ("before_backward", "after_backward")  # where the train step's guard waits for the loss
-COMPILING_RECIPES = ("compile", "cuda_graphs")  # first call captures/compiles: reported as compile_s
 
 
 class UnsupportedStack(RuntimeError):
-    """The recipe stack refuses this device (``RecipeStack.supported`` said no)."""
+    """The recipe stack refuses this device or this step (``RecipeStack.supported``/``require_training``)."""
 
 
 class NonFiniteOutput(RuntimeError):
     """The step produced NaN/Inf (loss or sample): a ``nan`` row, not a timing."""
+
+
+@dataclass
+class Parts:
+    """A scenario's prepared pieces: ``x0`` and ``cond`` on the device, in the data's NCDHW layout."""
+
+    net: UNet3D
+    model: nn.Module  # net after the stack's prepare_model
+    ema: AveragedModel | None
+    schedule: NoiseSchedule
+    stack: RecipeStack
+    x0: torch.Tensor
+    cond: torch.Tensor
 
 
 def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,71 +89,57 @@ def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed:
     return x0.to(device), cond.to(device)
 
 
-def _train_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
-                cond: torch.Tensor, cfg: Mapping, read_loss: str = "before_backward",
-                guard: Callable[..., bool] | None = None) -> Step:
-    """Forward + loss under forward_context, then guard, backward and Adam (as ``med_ddpm.train``).
-
-    The scaler is a disabled pass-through unless the stack has fp16 autocast (one code path).
-    ``read_loss`` is where the guard is asked: ``before_backward`` as the loop does, or
-    ``after_backward`` (the loop until round 12). ``guard`` replaces the stack's guard
-    (:mod:`bench.guard_order` times these variants on one model).
-    """
-    if read_loss not in READ_LOSS:
-        raise ValueError(f"read_loss must be one of {READ_LOSS}, got {read_loss!r}")
-    late = read_loss == "after_backward"
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM_LR, **stack.optimizer_options())
-    scaler = stack.grad_scaler(x0.device.type)
-    gen = torch.Generator(device=x0.device).manual_seed(int(cfg["seed"]))
-    loss_type = cfg["diffusion"].get("loss_type", "l1")
-    check = guard or stack.finite_or_skip
-
-    def step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        with stack.forward_context():
-            loss = diffusion_loss(model, schedule, x0, cond, loss_type=loss_type, generator=gen)
-        if late:
-            scaler.scale(loss).backward()
-        if check(loss, optimizer):  # the loop's guard: a NaN step must not touch the weights
-            if not late:
-                scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        return loss.detach()
-
-    return step
+def train_config(cfg: Mapping) -> Any:
+    """The slice of a bench config that :func:`med_ddpm.train.train_step` reads (a training config's keys)."""
+    return OmegaConf.create({key: cfg[key] for key in ("seed", "diffusion", "train")})
 
 
-def _denoise_step(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
-                  cond: torch.Tensor, cfg: Mapping) -> Step:
+def _train_step(parts: Parts, cfg: Mapping) -> Step:
+    """The training loop's step (:func:`med_ddpm.train.train_step`) on one batch held on the device."""
+    train = train_config(cfg)
+    try:
+        parts.stack.require_training(int(train.train.grad_accum))
+    except RecipeConflictError as err:
+        raise UnsupportedStack(str(err)) from err
+    parts.model.train()
+    device = parts.x0.device
+    state = TrainState(
+        cfg=train, device=device, net=parts.net, model=parts.model, ema=parts.ema, schedule=parts.schedule,
+        stack=parts.stack, scaler=parts.stack.grad_scaler(device.type),
+        optimizer=torch.optim.Adam(parts.net.parameters(), lr=train.train.lr, **parts.stack.optimizer_options()),
+    )
+    return functools.partial(train_step, state, itertools.repeat({"image": parts.x0, "cond": parts.cond}))
+
+
+def _denoise_step(parts: Parts, cfg: Mapping) -> Step:
     """One ε-network forward on cat[x_t, cond] at a mid-chain timestep, under no_grad."""
-    model.eval()
-    t = torch.full((x0.shape[0],), schedule.num_train_timesteps // 2, device=x0.device, dtype=torch.long)
-    x_in = stack.prepare_input(torch.cat([x0, cond], dim=1))
+    parts.model.eval()
+    t = torch.full((parts.x0.shape[0],), parts.schedule.num_train_timesteps // 2, device=parts.x0.device,
+                   dtype=torch.long)
+    x_in = parts.stack.prepare_input(torch.cat([parts.x0, parts.cond], dim=1))
 
     def step() -> torch.Tensor:
-        with torch.no_grad(), stack.forward_context():
-            return model(x_in, t)
+        with torch.no_grad(), parts.stack.forward_context():
+            return parts.model(x_in, t)
 
     return step
 
 
-def _full_sample(model: nn.Module, schedule: NoiseSchedule, stack: RecipeStack, x0: torch.Tensor,
-                 cond: torch.Tensor, cfg: Mapping) -> Step:
+def _full_sample(parts: Parts, cfg: Mapping) -> Step:
     """The full reverse chain with the configured sampler and steps (``med_ddpm.sample``'s loop)."""
-    model.eval()
-    sampler = sampler_from_config(cfg["sampler"], schedule)
-    gen = torch.Generator(device=x0.device).manual_seed(int(cfg["seed"]))
+    parts.model.eval()
+    sampler = sampler_from_config(cfg["sampler"], parts.schedule)
+    gen = torch.Generator(device=parts.x0.device).manual_seed(int(cfg["seed"]))
+    cond = parts.stack.prepare_input(parts.cond)
 
     def step() -> torch.Tensor:
-        return sample(model, sampler, cond, generator=gen, progress=False,
-                      forward_context=stack.forward_context, out_channels=x0.shape[1])
+        return sample(parts.model, sampler, cond, generator=gen, progress=False,
+                      forward_context=parts.stack.forward_context, out_channels=parts.x0.shape[1])
 
     return step
 
 
-SCENARIOS: dict[str, Callable[..., Step]] = {
+SCENARIOS: dict[str, Callable[[Parts, Mapping], Step]] = {
     "train_step": _train_step,
     "denoise_step": _denoise_step,
     "full_sample": _full_sample,
@@ -141,10 +147,20 @@ SCENARIOS: dict[str, Callable[..., Step]] = {
 
 
 def model_calls(cfg: Mapping) -> int:
-    """Network evaluations per scenario call (the sampler's steps for a full sample)."""
-    if cfg["bench"]["scenario"] != "full_sample":
-        return 1
-    return int(cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"])
+    """Network evaluations per scenario call: one per micro-batch of a train step, the sampler's steps
+    for a full sample."""
+    scenario = cfg["bench"]["scenario"]
+    if scenario == "train_step":
+        return int(cfg["train"]["grad_accum"])
+    if scenario == "full_sample":
+        return int(cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"])
+    return 1
+
+
+def volumes_per_call(cfg: Mapping) -> int:
+    """Volumes one scenario call processes: a train step's micro-batches together, else one batch."""
+    batch = int(cfg["bench"]["batch_size"])
+    return batch * model_calls(cfg) if cfg["bench"]["scenario"] == "train_step" else batch
 
 
 def model_flops(cfg: Mapping) -> int:
@@ -175,9 +191,13 @@ def _check_finite(out: torch.Tensor, when: str) -> None:
         raise NonFiniteOutput(f"non-finite {'loss' if out.dim() == 0 else 'output'} {when}")
 
 
+def _with_ema(cfg: Mapping) -> bool:
+    return cfg["bench"]["scenario"] == "train_step" and bool(cfg["bench"]["ema"])
+
+
 @contextlib.contextmanager
 def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
-    """Inside the stack's session: the prepared model, schedule, stack and inputs of ``cfg``.
+    """Inside the stack's session: the prepared model, its EMA (train step), schedule, stack and inputs.
 
     Raises:
         UnsupportedStack: a recipe cannot run on ``device``.
@@ -191,18 +211,18 @@ def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
     flush(device)
     with stack.session():
         # random (not zero-initialised) residual branches: real data through every kernel, real NaN checks
-        net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"]))
-        model = stack.prepare_model(net.to(device))
+        net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"])).to(device)
+        ema = new_ema(net, float(cfg["train"]["ema_decay"])) if _with_ema(cfg) else None  # before prepare, as build()
         schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
-        yield model, schedule, stack, stack.prepare_input(x0), stack.prepare_input(cond)
+        yield Parts(net, stack.prepare_model(net), ema, schedule, stack, x0, cond)
 
 
 @contextlib.contextmanager
 def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, RecipeStack]]:
     """Inside the stack's session: the step of ``cfg``'s scenario, ready to call, and its stack."""
-    with prepared_parts(cfg, device) as (model, schedule, stack, x0, cond):
-        yield SCENARIOS[cfg["bench"]["scenario"]](model, schedule, stack, x0, cond, cfg), stack
+    with prepared_parts(cfg, device) as parts:
+        yield SCENARIOS[cfg["bench"]["scenario"]](parts, cfg), parts.stack
 
 
 def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step], Step] | None = None) -> dict[str, Any]:
@@ -236,17 +256,17 @@ def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step],
         with stack.forward_context():
             precision = active_precision(device.type)
         describe = stack.describe()
-    return _measurements(cfg, device, timings, first_call_s, precision, describe)
+        compiles = any(recipe.slow_first_call for recipe in stack.recipes)
+    return _measurements(cfg, device, timings, first_call_s, precision, describe, compiles)
 
 
 def _measurements(cfg: Mapping, device: torch.device, timings, first_call_s: float, precision: str,
-                  describe: Any) -> dict[str, Any]:
-    batch = int(cfg["bench"]["batch_size"])
+                  describe: Any, compiles: bool) -> dict[str, Any]:
+    volumes = volumes_per_call(cfg)
     seconds = timings.median / 1e3
     flops = model_flops(cfg)
     tflops = achieved_tflops(flops, timings.median)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    compiles = bool(set(describe.get("order", [])) & set(COMPILING_RECIPES))
     return {
         "ms_median": timings.median, "ms_p10": timings.p10, "ms_p90": timings.p90,
         "iqr_pct": timings.iqr_pct, "ms_mean": timings.mean, "ms_std": timings.std,
@@ -254,8 +274,8 @@ def _measurements(cfg: Mapping, device: torch.device, timings, first_call_s: flo
         # compile time = the first call's wall time less one ordinary call
         "first_call_s": first_call_s, "compile_s": first_call_s - seconds if compiles else None,
         "peak_mem_gib": peak_memory_gib(device),
-        "volumes_per_s": batch / seconds,
-        "voxels_per_s": batch * math.prod(cfg["model"]["image_size"]) / seconds,
+        "volumes_per_s": volumes / seconds,
+        "voxels_per_s": volumes * math.prod(cfg["model"]["image_size"]) / seconds,
         "flops": flops, "tflops": tflops, "precision": precision,
         "peak_fraction": peak_fraction(tflops, gpu, precision),
         "describe": describe,

@@ -97,11 +97,13 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
     """Identity fields of a job's row, known before anything runs."""
     cfg = job["config"]
     sampling = cfg["bench"]["scenario"] == "full_sample"
+    training = cfg["bench"]["scenario"] == "train_step"
     return {
         "scenario": cfg["bench"]["scenario"],
         "model": job["model"],
         "image_size": list(cfg["model"]["image_size"]),
         "batch_size": int(cfg["bench"]["batch_size"]),
+        "grad_accum": int(cfg["train"]["grad_accum"]) if training else None,
         "sampler": sampler_label(cfg["sampler"]) if sampling else None,
         "steps": (cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"]) if sampling else None,
         "recipes": list(job["recipes"]),

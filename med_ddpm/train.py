@@ -72,13 +72,17 @@ class EpochSampler(Sampler[int]):
             p += self.world_size
 
 
-@dataclass
-class Job:
-    """Everything :func:`fit` needs, built once from the config."""
+@dataclass(kw_only=True)
+class TrainState:
+    """What one optimizer step (:func:`train_step`) reads and updates.
+
+    ``cfg`` needs ``seed``, ``diffusion.loss_type`` and the ``train`` keys ``batch_size``,
+    ``grad_accum``, ``divide_loss_by_batch_size``, ``ema_every`` and ``ema_start``. :class:`Job`
+    adds the data, logging and output folder of a run; ``bench.scenarios`` times this state alone.
+    """
 
     cfg: DictConfig
     device: torch.device
-    dataset: Dataset
     net: UNet3D  # the parameter holder (checkpoints, EMA); `model` may wrap it (recipes, DDP)
     model: torch.nn.Module
     ema: AveragedModel | None  # rank 0 only
@@ -86,9 +90,16 @@ class Job:
     stack: RecipeStack
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    step: int = 0
+
+
+@dataclass(kw_only=True)
+class Job(TrainState):
+    """Everything :func:`fit` needs, built once from the config."""
+
+    dataset: Dataset
     tracker: Tracker
     out_dir: Path
-    step: int = 0
 
 
 def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
@@ -229,7 +240,7 @@ def new_ema(net: UNet3D, decay: float) -> AveragedModel:
     return ema
 
 
-def update_ema(job: Job) -> None:
+def update_ema(job: TrainState) -> None:
     """Med-DDPM's ``step_ema`` after the optimizer step of step ``job.step`` (before it is counted):
     every ``ema_every`` steps, a plain copy of the weights before ``ema_start``, an average from then on
     (rank 0 only)."""
@@ -252,7 +263,7 @@ def sample_preview(job: Job, cond: torch.Tensor) -> Path:
     return path
 
 
-def draw_t_noise(job: Job, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_t_noise(job: TrainState, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """t ~ U{0, T−1} and ε ~ N(0, I) of each sample, from a generator keyed by its global position.
 
     This rank's j-th sample of a micro-batch starting at global position ``first`` sits at
@@ -268,18 +279,18 @@ def draw_t_noise(job: Job, x: torch.Tensor, first: int) -> tuple[torch.Tensor, t
     return torch.cat(ts), torch.stack(noises)
 
 
-def train_step(job: Job, batches: Iterator[dict]) -> torch.Tensor:
-    """One optimizer step of ``grad_accum`` micro-batches; returns the mean loss over ranks (NaN if skipped).
+def train_step(job: TrainState, batches: Iterator[dict]) -> torch.Tensor:
+    """One optimizer step of ``grad_accum`` micro-batches, then the EMA update; returns the mean loss
+    over ranks (NaN if skipped) and counts the step.
 
     The loss comes back as a 0-d device tensor: reading it waits for the GPU, so :func:`fit` reads
     it only when it logs. Each micro-batch's loss, averaged over ranks, goes to the stack's guard
     *before* its backward. The default guard reads it on the host there: a non-finite loss skips
     the step's remaining backwards and its update on every rank, counted once (the remaining
     batches are still drawn: the data stream stays at step × grad_accum, as resume expects).
-    Before backward is the cheaper place to wait: the host queues Adam and the next forward while
-    the GPU runs the backward (round 12 A/B of the bench step on the H200, ``bench/guard_order.py``:
-    56.9 against 59.7 ms reading after backward). ``fused_adam(guard=device)`` does not wait at all:
-    fused Adam skips a non-finite step's update on the GPU. Gradients are all-reduced once, on the
+    Waiting before backward rather than after it lets the host queue Adam and the next forward
+    while the GPU runs the backward. ``fused_adam(guard=device)`` does not wait at all: fused
+    Adam skips a non-finite step's update on the GPU. Gradients are all-reduced once, on the
     last micro-step (``no_sync`` before it).
     """
     cfg = job.cfg.train
@@ -303,11 +314,13 @@ def train_step(job: Job, batches: Iterator[dict]) -> torch.Tensor:
             if job.stack.finite_or_skip(mean, job.optimizer):
                 job.scaler.scale(loss / cfg.grad_accum).backward()
                 losses.append(mean)
-    if len(losses) < cfg.grad_accum:
-        return torch.tensor(float("nan"))
-    job.scaler.step(job.optimizer)
-    job.scaler.update()
-    return torch.stack(losses).sum() / cfg.grad_accum
+    trained = len(losses) == cfg.grad_accum
+    if trained:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+    update_ema(job)
+    job.step += 1
+    return torch.stack(losses).sum() / cfg.grad_accum if trained else torch.tensor(float("nan"))
 
 
 def fit(job: Job) -> dict[str, Any]:
@@ -329,8 +342,6 @@ def fit(job: Job) -> dict[str, Any]:
         t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
         while job.step < cfg.max_steps:
             loss = train_step(job, batches)
-            update_ema(job)
-            job.step += 1
             bar.update(1)
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
                 value = loss.item()  # the loop's one wait for the GPU between logs

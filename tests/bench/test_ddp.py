@@ -19,7 +19,7 @@ SMALL = ["model=tiny", "model.image_size=[16,16,16]", "model.channel_mult=[1,2]"
 @pytest.mark.slow
 def test_ddp_bench_writes_a_scaling_row(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench.ddp",
-           "--out", str(tmp_path), "--warmup", "0", "--iters", "2", "--baseline", "2.0", *SMALL]
+           f"ddp.out={tmp_path}", "ddp.warmup=0", "ddp.iters=2", "ddp.baseline=2.0", *SMALL]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

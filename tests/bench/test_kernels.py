@@ -24,7 +24,7 @@ FIXTURE = {
     "ampere_sgemm_128x64_tn": "GEMM and attention",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "GEMM and attention",
     "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>": "GEMM and attention",
-    # cuDNN's fused attention is named like a convolution (fprop): measured on the H200, round 5
+    # cuDNN's fused attention is named like a convolution (fprop), as the H200 runs it
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x192_4x1x1_cga1x1x1_kernel0_0": "GEMM and attention",
     "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x128x192_4x1x1_kernel0_0": "GEMM and attention",
     "void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, Epilogue>(float*, float const*, int)": "GEMM and attention",
@@ -122,7 +122,7 @@ def test_profiles_of_one_stack_at_two_batch_sizes_get_two_labels_and_files():
 
 
 def test_a_label_too_long_for_a_file_name_keeps_its_head_and_a_hash(tmp_path):
-    """The final train stack's label with three options passed 255 bytes on the H200 (round 14)."""
+    """A long stack label with options can pass the 255 bytes a file name may hold."""
     from bench.profile import SLUG_MAX, slug, write_outputs
 
     stack = "+".join(["amp_bf16", "channels_last_3d", "fused_groupnorm", "sdpa_attention", "gather_upsample"] * 4)

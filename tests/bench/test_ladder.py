@@ -1,25 +1,41 @@
 """The ladder presets: every job composes from the real configs, names only existing recipes,
-has a unique identity, and the quality preset gates the quality model's architecture."""
+has a unique identity, the experiments' stacks come from their configs, and the CLI is Hydra's."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from bench.ladder import DEFAULT_BEST, PRESETS, compose_job, missing_recipes, parse_args, quality_ladder
-from bench.records import job_key, recipe_label
+from bench.ladder import PRESETS, compose_job, ladder_jobs, missing_recipes, run
+from bench.records import baseline_key, job_key, recipe_label
+from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
+
+REPO = CONFIG_DIR.parent
+
+
+def ladder_cfg(tmp_path, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("ladder", overrides=[f"out={tmp_path}", *overrides])
 
 
 def jobs_of(preset: str, tmp_path) -> list[list[str]]:
-    ladder = PRESETS[preset]
-    if ladder is quality_ladder:
-        return list(ladder(DEFAULT_BEST, str(tmp_path / "quality_model.pt")))
-    return list(ladder(DEFAULT_BEST))
+    return ladder_jobs(ladder_cfg(tmp_path, f"preset={preset}", f"checkpoint={tmp_path / 'quality_model.pt'}"))
 
 
-@pytest.mark.parametrize("preset", sorted({ladder: name for name, ladder in sorted(PRESETS.items())}.values()))
+def experiment(config: str, name: str):
+    """``experiment=name`` composed on the training or sampling config, as its users run it."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        required = "output_dir=/tmp/x" if config == "train" else "checkpoint=x.pt"
+        return compose(config, overrides=[f"experiment={name}", required])
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_job_composes_and_is_unique(preset, tmp_path):
     jobs = jobs_of(preset, tmp_path)
     assert jobs and all(not missing_recipes(job) for job in jobs)
@@ -37,18 +53,18 @@ def test_quality_preset_gates_the_quality_model_with_a_shared_reference(tmp_path
     labels = {base_row(compose_job(job, tmp_path / str(n)))["sampler"] for n, job in enumerate(jobs)}
     assert {"ddpm", "ddim", "ddim(eta=1.0)", "dpm_solver_pp", "dpm_solver_pp(variant=sde)", "deis"} <= labels, "eta=1 rows are their own workload"
     with pytest.raises(SystemExit, match="checkpoint=PATH"):
-        list(quality_ladder(DEFAULT_BEST, None))
+        ladder_jobs(ladder_cfg(tmp_path, "preset=quality"))
 
 
-def test_cuda_graphs_is_not_timed_on_training_steps(tmp_path):
-    for job in jobs_of("gpu", tmp_path):
-        assert not ("bench=train_step" in job and any("cuda_graphs" in o for o in job if o.startswith("recipe=")))
-
-
-def test_args_are_checked():
-    assert parse_args(["out=x", "preset=quality", "checkpoint=a.pt"])["checkpoint"] == "a.pt"
-    with pytest.raises(SystemExit, match="bad argument"):
-        parse_args(["out=x", "bogus=1"])
+def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
+    listed = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=smoke", f"out={tmp_path}", "dry_run=true",
+                             "best=[amp_bf16]"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    todo = [line for line in listed.stdout.splitlines() if line.startswith("[todo]")]
+    assert listed.returncode == 0 and len(todo) == 8 and sum("recipe=[amp_bf16]" in line for line in todo) == 4
+    bad = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=tuning", f"out={tmp_path}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+        "bench.ladder: unknown preset=tuning; known: smoke, gpu, core, targets, quality")
 
 
 def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):
@@ -90,9 +106,7 @@ def test_recipe_options_are_part_of_the_job_and_its_label(tmp_path):
 
 
 def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):
-    from bench.ladder import main
-
-    main([f"out={tmp_path}", "preset=smoke", "dry_run=true", "only=batch_size=2"])
+    run(ladder_cfg(tmp_path, "preset=smoke", "dry_run=true", "only='batch_size=2'"))
     todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
     expected = [job for job in jobs_of("smoke", tmp_path) if "batch_size=2" in " ".join(job)]
     assert todo and len(todo) == len(expected) and all("batch_size=2" in line for line in todo)
@@ -108,15 +122,15 @@ def test_only_adds_no_missing_baselines(tmp_path, monkeypatch, only):
     append_row(tmp_path / RESULTS_FILE, {**base_row(compose_job(job, tmp_path / "job")), "status": "ok", "message": ""})
     completed = []
     monkeypatch.setattr(sweep.EnsureBaseline, "complete", lambda out, budget_s: completed.append(out))
-    monkeypatch.setattr(ladder, "PRESETS", {**ladder.PRESETS, "smoke": lambda best: iter([job])})
-    ladder.main([f"out={tmp_path}", "preset=smoke", "budget_s=60", *(["only=amp_bf16"] if only else [])])
+    monkeypatch.setattr(ladder, "PRESETS", {**ladder.PRESETS, "smoke": lambda cfg: iter([job])})
+    run(ladder_cfg(tmp_path, "preset=smoke", "budget_s=60", *(["only=amp_bf16"] if only else [])))
     assert completed == ([] if only else [tmp_path])
 
 
 @pytest.mark.parametrize(("budget_s", "kept"), [(10.0, False), (math.inf, True)])
 def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budget_s, kept):
     """EnsureBaseline at the end of a ladder: a strict-FP32 job killed because the run's budget shortened
-    its limit is no measurement (round 8 wrote such an error row for BraTS); one past its own limit is."""
+    its limit is no measurement; one past its own limit is."""
     from bench import sweep
     from bench.records import RESULTS_FILE, append_row, read_rows
     from bench.worker import TIMEOUT_PREFIX
@@ -138,39 +152,25 @@ def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budge
 
 def test_quality_preset_ends_with_the_fast_sample_experiment(tmp_path):
     """The gate's last job is exactly ``experiment=fast_sample``'s sampler and recipe stack (options included)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from bench.sweep import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        experiment = compose("sample", overrides=["experiment=fast_sample", "checkpoint=x.pt"])
+    sample = experiment("sample", "fast_sample")
     gated = compose_job(jobs_of("quality", tmp_path)[-1], tmp_path / "last")["config"]
-    assert gated["recipe"] == OmegaConf.to_container(experiment.recipe, resolve=True)
-    assert gated["sampler"] == OmegaConf.to_container(experiment.sampler, resolve=True)
+    assert gated["recipe"] == OmegaConf.to_container(sample.recipe, resolve=True)
+    assert gated["sampler"] == OmegaConf.to_container(sample.sampler, resolve=True)
 
 
 def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
-    """``preset=targets`` times exactly ``experiment=fast_sample``'s stack and ``fast_train``'s (graphed: compile's
-    options carried over to compile_cudagraphs), each workload next to its strict-FP32 baseline."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from bench.sweep import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        sample = compose("sample", overrides=["experiment=fast_sample", "checkpoint=x.pt"])
-        train = compose("train", overrides=["experiment=fast_train", "output_dir=/tmp/x"])
-    configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs_of("targets", tmp_path))]
-    workloads = [(c["bench"]["scenario"], c["sampler"]["name"]) for c in configs]
-    baselines = {w for w, c in zip(workloads, configs, strict=True) if not c.get("recipe")}
-    assert baselines == set(workloads) - {("full_sample", "dpm_solver_pp")}  # DDPM-250 is the fast sampler's baseline
-    sample_recipes = OmegaConf.to_container(sample.recipe, resolve=True)
-    train_recipes = OmegaConf.to_container(train.recipe, resolve=True)
-    train_recipes["compile_cudagraphs"] = {**configs[3]["recipe"]["compile_cudagraphs"],
-                                          "inductor": train_recipes.pop("compile")["inductor"]}
-    fast = [c for c in configs if c.get("recipe")]
+    """``preset=targets`` composes ``experiment=fast_sample`` and ``experiment=fast_train`` (their stacks are
+    not rewritten in Python): each workload next to its strict-FP32 baseline."""
+    jobs = jobs_of("targets", tmp_path)
+    assert not any(o.startswith("recipe=[") and o != "recipe=[]" for job in jobs for o in job)
+    specs = [compose_job(job, tmp_path / str(n)) for n, job in enumerate(jobs)]
+    baselines = {baseline_key(base_row(s)) for s in specs if not s["recipes"]}
+    fast = [s["config"] for s in specs if s["recipes"]]
+    sample, train = experiment("sample", "fast_sample"), experiment("train", "fast_train")
     assert [c["bench"]["scenario"] for c in fast] == ["denoise_step", "train_step", "full_sample", "full_sample"]
-    assert fast[1]["recipe"] == train_recipes
-    assert all(c["recipe"] == sample_recipes for c in (fast[0], *fast[2:]))
+    assert fast[1]["recipe"] == OmegaConf.to_container(train.recipe, resolve=True)
+    assert all(c["recipe"] == OmegaConf.to_container(sample.recipe, resolve=True) for c in (fast[0], *fast[2:]))
     assert fast[3]["sampler"] == OmegaConf.to_container(sample.sampler, resolve=True)
+    # every workload has its strict-FP32 baseline but the experiment's own sampler, whose baseline is DDPM-250
+    unmatched = [s["config"]["sampler"]["name"] for s in specs if s["recipes"] and baseline_key(base_row(s)) not in baselines]
+    assert unmatched == ["dpm_solver_pp"]

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from med_ddpm import train as train_mod
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
 from med_ddpm.diffusion import diffusion_loss
+from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.sample import run as run_sample
 from med_ddpm.train import EpochSampler, build, fit
 from optim import RecipeConflictError
@@ -233,3 +234,38 @@ def test_resume_from_a_non_training_checkpoint_names_it(reference_dir, tmp_path)
     ckpt = reference_dir / "wholehead_small_ckpt.pt"
     with pytest.raises(ValueError, match=r"wholehead_small_ckpt.pt: not a training checkpoint"):
         fit(build(cfg_for("train", tmp_path, "train.max_steps=1", f"resume={ckpt}")))
+
+
+
+@pytest.fixture
+def one_thread():
+    """Two threads on a busy 2-core box are several times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def brats_run(tmp_path, size, *overrides):
+    """``experiment=brats model=tiny_brats`` on two phantom cases of ``size`` in the release's per-case layout."""
+    write_phantom_niftis(tmp_path / "brats", 2, size, variant="brats", layout="per_case")
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "experiment=brats", "model=tiny_brats", f"data.root={tmp_path / 'brats'}", "device=cpu",
+            "train.progress=false", f"output_dir={tmp_path / 'run'}", *overrides])
+    job = build(cfg)
+    before = [p.clone() for p in job.net.parameters()]
+    summary = fit(job)
+    assert math.isfinite(summary["loss"]) and summary["step"] == cfg.train.max_steps
+    assert not all(torch.equal(a, b) for a, b in zip(before, job.net.parameters()))
+    return cfg, job
+
+
+def test_tiny_brats_trains_a_step_on_a_cpu(tmp_path, one_thread):
+    """``experiment=brats model=tiny_brats`` as shipped: the BraTS recipe (4 modalities + 4 masks, grad_accum 2,
+    loss divided by the batch) at a CPU size."""
+    cfg, job = brats_run(tmp_path, (24, 32, 32), "train.max_steps=1")
+    assert (cfg.model.in_channels, cfg.model.out_channels, cfg.model.cond_channels) == (8, 4, 4)
+    assert cfg.train.grad_accum == 2 and cfg.train.divide_loss_by_batch_size
+    assert job.dataset[0]["image"].shape == (4, 24, 32, 32)
+    assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["config"]["model"]["out_channels"] == 4

@@ -1,9 +1,8 @@
-"""Shared helpers for the recipe tests: the tiny real UNet3D and one generic training step.
+"""Shared helpers for the recipe tests: the tiny real UNet3D and the training loop's own step.
 
-The step is the training loop's shape, written once and used for the baseline and every recipe
-alike (no per-recipe branches): session -> prepare_model -> Adam -> prepare_input ->
-forward_context(forward + L1 loss) -> finite guard -> scaler.scale(loss).backward() ->
-unscale -> (record grads) -> scaler.step -> update.
+The step is :func:`med_ddpm.train.train_step`, used for the baseline and every recipe alike (no
+per-recipe branches): session -> prepare_model -> Adam -> prepare_input -> forward_context(forward
++ L1 ε-loss) -> finite guard -> scaler.scale(loss).backward() -> scaler.step -> update.
 """
 
 from __future__ import annotations
@@ -19,8 +18,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
 from med_ddpm.quality import randomize_zero_init
+from med_ddpm.train import TrainState
+from med_ddpm.train import train_step as med_ddpm_train_step
 from optim import RecipeStack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,23 +61,29 @@ def tiny_batch(size: int = 8, batch: int = 2, device: str = "cpu", seed: int = 1
 
 
 def train_step(stack: RecipeStack, model: torch.nn.Module, x, t, target) -> StepResult:
-    """One L1 + Adam step through every stack hook, as the training loop runs it."""
-    device_type = x.device.type
+    """One step of the training loop's own :func:`med_ddpm.train.train_step` through every stack hook.
+
+    The batch is the image ``target`` with the mask channels of ``x`` (its channels after the image's);
+    t and ε are the loop's seeded draws, so ``t`` is not used. Returns the network's output (a forward
+    hook), the loss, the gradients the update used and the parameters after it.
+    """
+    cfg = OmegaConf.create({"seed": 0, "diffusion": {"loss_type": "l1"},
+                            "train": {"batch_size": x.shape[0], "grad_accum": 1, "divide_loss_by_batch_size": False,
+                                      "ema_every": 1, "ema_start": 0}})
+    outputs: list[torch.Tensor] = []
     with stack.session():
-        model = stack.prepare_model(model)
-        opt = torch.optim.Adam(model.parameters(), lr=LR, **stack.optimizer_options())
-        scaler = stack.grad_scaler(device_type)
-        with stack.forward_context():
-            out = model(stack.prepare_input(x), t)
-            loss = F.l1_loss(out.float(), stack.prepare_input(target))
-        assert stack.finite_or_skip(loss, opt), f"non-finite loss {loss}"
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
+        prepared = stack.prepare_model(model)
+        hook = prepared.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().float()))
+        state = TrainState(cfg=cfg, device=x.device, net=model, model=prepared, ema=None,
+                           schedule=NoiseSchedule(timesteps=250).to(x.device), stack=stack,
+                           optimizer=torch.optim.Adam(model.parameters(), lr=LR, **stack.optimizer_options()),
+                           scaler=stack.grad_scaler(x.device.type))
+        loss = med_ddpm_train_step(state, iter([{"image": target, "cond": x[:, target.shape[1]:]}]))
+        hook.remove()
+        assert torch.isfinite(loss), f"non-finite loss {loss}"
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        scaler.step(opt)
-        scaler.update()
         params = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    return StepResult(out.detach().float(), loss.detach(), grads, params)
+    return StepResult(outputs[0], loss.detach(), grads, params)
 
 
 def scaled_error(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

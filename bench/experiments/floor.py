@@ -19,8 +19,8 @@ The rates are measured on the GPU in use (``measure=true``: a 8192³ bf16 matmul
 medians of 20), not taken from a datasheet: they are what a kernel here can reach.
 
 Usage:
-    python -m bench.floor measure=true out=/tmp/peaks.json                      # on the GPU
-    python -m bench.floor profile=DIR/train_step_....json peaks=/tmp/peaks.json  # anywhere
+    python -m bench.experiments.floor measure=true out=/tmp/peaks.json                      # on the GPU
+    python -m bench.experiments.floor profile=DIR/train_step_....json peaks=/tmp/peaks.json  # anywhere
         [model=medddpm_whole_head] [out=DIR/floor.md]
 """
 
@@ -75,7 +75,7 @@ def workload(model_cfg: Mapping[str, Any], batch_size: int = 1) -> dict[str, flo
 def floors_ms(counts: Mapping[str, float], scenario: str, peaks: Mapping[str, float]) -> dict[str, float]:
     """Convolution and GroupNorm floors of one step, in ms (see the module docstring)."""
     if scenario not in GN_PASSES:
-        raise ValueError(f"bench.floor: no floor model for scenario {scenario!r}; known: {sorted(GN_PASSES)}")
+        raise ValueError(f"bench.experiments.floor: no floor model for scenario {scenario!r}; known: {sorted(GN_PASSES)}")
     return {"convolution": CONV_PASSES[scenario] * counts["conv_flops"] / (peaks["bf16_tflops"] * 1e9),
             "groupnorm": GN_PASSES[scenario] * counts["gn_bytes"] / (peaks["copy_tb_s"] * 1e9)}
 
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     if args.get("measure") == "true":
         text = json.dumps(measure_peaks(resolve_device("auto")), indent=1)
     else:
-        profile = kernels.load_profile(Path(args["profile"]), "bench.floor")
+        profile = kernels.load_profile(Path(args["profile"]), "bench.experiments.floor")
         peaks = json.loads(Path(args["peaks"]).read_text())
         model_cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / f"{args.get('model', 'medddpm_whole_head')}.yaml"))
         counts = workload(model_cfg, int(profile["batch_size"]))

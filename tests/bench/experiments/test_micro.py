@@ -1,4 +1,4 @@
-"""bench.micro: the GroupNorm forms it times agree with GroupNorm32, the upsampling forms with
+"""bench.experiments.micro: the GroupNorm forms it times agree with GroupNorm32, the upsampling forms with
 F.interpolate, and it writes one record."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench import micro
+from bench.experiments import micro
 
 
 @pytest.mark.filterwarnings("ignore:noisy timing")
@@ -20,8 +20,7 @@ def test_run_writes_rows_for_every_form_and_conv(tmp_path) -> None:
     assert [r["channels"] for r in gn] == list(micro.CHANNELS)  # CPU, no compile: the eager composite only
     assert all("error" not in r and r["max_abs_err"] == 0.0 and r["ms_median"] > 0 for r in gn)
     convs = [(r["conv"], r["pass"]) for r in record["rows"] if r["kind"] == "conv3d"]
-    forms = ["input 3->64", "input 3->64 (zero-padded input)", "input 3->64 via narrow_conv_gemm (im2col)",
-             "output 64->1", "output 64->1 via pad_conv_channels (8)", "output 64->1 via narrow_conv_gemm (col2im)"]
+    forms = ["input 3->64", "output 64->1", "output 64->1 via narrow_conv_gemm (col2im)"]
     assert convs == [(f, p) for f in forms for p in ("forward", "forward+backward")]
     for r in record["rows"]:
         if r["kind"] == "conv3d":  # every form is the same convolution (float32 on the CPU)

@@ -1,12 +1,18 @@
-"""bench.compare_profiles: named columns, the first-to-last change, notes, and errors naming the file."""
+"""bench.profile profile.compare: named columns, the first-to-last change, notes, and errors naming the file."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import compare_profiles, kernels
+from bench import kernels
+from bench.profile import load_named, write_comparison
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _profile(path, label: str, conv_ms: float, note: str | None = None):
@@ -24,7 +30,10 @@ def _profile(path, label: str, conv_ms: float, note: str | None = None):
 def test_same_stack_at_two_commits_gets_named_columns_and_the_change(tmp_path) -> None:
     a = _profile(tmp_path / "a.json", "amp_bf16+compile", 12.0)
     b = _profile(tmp_path / "b.json", "amp_bf16+compile", 9.5, note="corrected after the run")
-    assert compare_profiles.main([f"out={tmp_path / 'out'}", f"before={a}", f"after={b}"]) == 0
+    cmd = [sys.executable, "-m", "bench.profile", f"profile.compare={{before: {a}, after: {b}}}",
+           f"profile.out={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     text = (tmp_path / "out" / "profile_compare.md").read_text()
     assert "| category | before | after |" in text
     assert "| convolution | 12.000 | 9.500 | -2.500 |" in text
@@ -38,10 +47,9 @@ def test_bad_input_names_the_file(tmp_path) -> None:
     good = _profile(tmp_path / "a.json", "fp32", 1.0)
     (tmp_path / "rows.json").write_text(json.dumps({"ms_median": 1.0}))
     with pytest.raises(SystemExit, match="rows.json is not a bench.profile record"):
-        compare_profiles.main([f"out={tmp_path}", f"a={good}", f"b={tmp_path / 'rows.json'}"])
+        load_named({"a": str(good), "b": str(tmp_path / "rows.json")})
     with pytest.raises(SystemExit, match="cannot read .*missing.json"):
-        compare_profiles.main([f"out={tmp_path}", f"a={good}", f"b={tmp_path / 'missing.json'}"])
-    with pytest.raises(SystemExit, match="usage"):
-        compare_profiles.main([f"out={tmp_path}", f"a={good}"])
-    with pytest.raises(SystemExit, match="bad argument"):
-        compare_profiles.main([f"out={tmp_path}", "no-equals-sign", f"a={good}"])
+        load_named({"a": str(good), "b": str(tmp_path / "missing.json")})
+    with pytest.raises(SystemExit, match="two or more"):
+        load_named({"a": str(good)})
+    assert write_comparison(tmp_path / "o", load_named({"x": str(good), "y": str(good)})).name == "profile_compare.md"

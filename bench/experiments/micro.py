@@ -15,20 +15,19 @@ activation of C channels at size³), so a form can be chosen before a ladder run
   inductor's default ``realize_reads_threshold`` and at 6 (where the closed form keeps the
   recomputed pre-activation inline instead of writing it in float32), with dx's error against
   float32 autograd.
-* **The network's end convolutions** in NDHWC, forward and forward + backward: 3 -> 64 (input) as
-  it is, with its input channels zero-padded to 8 and as ``narrow_conv_gemm``'s im2col GEMM; 64 -> 1
-  (output) as it is, as ``pad_conv_channels`` computes it (cuDNN's NDHWC kernels work in channel
-  multiples of 8) and as ``narrow_conv_gemm``'s GEMM + col2im (compiled, as in the network).
+* **The network's end convolutions** in NDHWC, forward and forward + backward: 3 -> 64 (input) and
+  64 -> 1 (output) as cuDNN runs them, and the output one as ``narrow_conv_gemm``'s GEMM + col2im
+  (compiled, as in the network).
 * **Trilinear ×2 upsampling against batch size** (64 channels, size/2 -> size, NDHWC, batch 1/2/4,
   after a residual add as in the decoder): ``F.interpolate`` and ``gather_upsample``'s separable
-  gather forward (:func:`optim.upsample.trilinear_x2_forward`), compiled. Inductor's compiled
-  ``F.interpolate`` is coalesced at batch 1 only (round 8 of bench/results/h200/tuning/README.md).
+  gather forward (:func:`optim.upsample.trilinear_x2_forward`), compiled; ``ms_per_volume`` shows
+  whether a form's cost grows with the batch.
 
 Usage:
-    python -m bench.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
-    python -m bench.micro out=/tmp/micro size=16 compile=false     # quick check
-    python -m bench.micro out=/tmp/micro kinds=conv                # only the end convolutions
-    python -m bench.micro out=/tmp/micro kinds=groupnorm_backward  # the GroupNorm backward forms
+    python -m bench.experiments.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
+    python -m bench.experiments.micro out=/tmp/micro size=16 compile=false     # quick check
+    python -m bench.experiments.micro out=/tmp/micro kinds=conv                # only the end convolutions
+    python -m bench.experiments.micro out=/tmp/micro kinds=groupnorm_backward  # the GroupNorm backward forms
 
 Writes ``OUT/micro.json`` (env + rows) atomically; a failing case becomes a row with ``error``.
 """
@@ -43,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bench.timing import time_fn
@@ -56,8 +54,7 @@ from optim.fused_groupnorm import (
     triton_available,
 )
 from optim.groupnorm_ndhwc import group_norm_act_ndhwc_closed_form
-from optim.narrow_conv import form_for, gemm_conv_forward
-from optim.pad_channels import pad_dim, padded_conv_forward
+from optim.narrow_conv import gemm_conv_forward
 from optim.upsample import trilinear_x2_forward, trilinear_x2_reference
 
 GROUPS, EPS = 32, 1e-5
@@ -154,22 +151,16 @@ def groupnorm_backward_rows(size: int, dtype: torch.dtype, device: torch.device,
 def end_conv_cases(size: int, dtype: torch.dtype, device: torch.device, compile: bool
                    ) -> Iterator[tuple[str, nn.Conv3d, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
     """(label, conv, form, input) for each way of computing the two end convolutions: as cuDNN runs
-    them, with channels zero-padded to 8, and as ``narrow_conv_gemm``'s GEMM (compiled, as in the network)."""
+    them, and the output conv as ``narrow_conv_gemm``'s GEMM + col2im (compiled, as in the network)."""
     gen = torch.Generator().manual_seed(0)
     for label, cin, cout in (("input 3->64", 3, 64), ("output 64->1", 64, 1)):
         conv = nn.Conv3d(cin, cout, 3, padding=1).to(device, dtype, memory_format=CL)
         x = torch.randn(1, cin, size, size, size, generator=gen).to(device, dtype).contiguous(memory_format=CL)
         x.requires_grad_(cin == 64)  # the network's input takes no gradient; its last activation does
         yield label, conv, conv, x
-        if cin < 8:
-            yield f"{label} (zero-padded input)", conv, lambda x, c=conv: F.conv3d(
-                pad_dim(x, 1), pad_dim(c.weight, 1), c.bias, padding=1), x
-        else:
-            yield f"{label} via pad_conv_channels (8)", conv, functools.partial(padded_conv_forward, conv=conv,
-                                                                                 multiple=8), x
-        form = form_for(conv)
-        gemm = functools.partial(gemm_conv_forward, conv=conv, form=form)
-        yield f"{label} via narrow_conv_gemm ({form})", conv, _compiled(gemm) if compile else gemm, x
+        if cout == 1:
+            gemm = functools.partial(gemm_conv_forward, conv=conv, form="col2im")
+            yield f"{label} via narrow_conv_gemm (col2im)", conv, _compiled(gemm) if compile else gemm, x
 
 
 def _forward_backward(form: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor) -> None:
@@ -241,7 +232,7 @@ def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30, kinds
 def main(argv: list[str]) -> int:
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     if "out" not in args or set(args) - {"out", "size", "compile", "iters", "kinds"}:
-        print("usage: python -m bench.micro out=DIR [size=128] [compile=true|false] [iters=30] "
+        print("usage: python -m bench.experiments.micro out=DIR [size=128] [compile=true|false] [iters=30] "
               f"[kinds={','.join(KINDS)}]", file=sys.stderr)
         return 2
     path = run(Path(args["out"]), int(args.get("size", 128)), args.get("compile", "true") == "true",

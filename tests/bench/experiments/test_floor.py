@@ -1,4 +1,4 @@
-"""bench.floor: the meta-device counts match a real forward, floors are the documented arithmetic,
+"""bench.experiments.floor: the meta-device counts match a real forward, floors are the documented arithmetic,
 and a bad profile path is named."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.floor import CONFIG_DIR, floors_ms, main, measure_peaks, table, workload
+from bench.experiments.floor import CONFIG_DIR, floors_ms, main, measure_peaks, table, workload
 from med_ddpm.model import build_model
 
 TINY = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny.yaml"))
@@ -50,7 +50,7 @@ def test_measured_peaks_are_positive_rates() -> None:
 
 def test_cli_names_a_missing_profile(tmp_path) -> None:
     (tmp_path / "peaks.json").write_text(json.dumps({"bf16_tflops": 790, "copy_tb_s": 4.0}))
-    with pytest.raises(SystemExit, match="bench.floor: cannot read .*nothere.json"):
+    with pytest.raises(SystemExit, match="bench.experiments.floor: cannot read .*nothere.json"):
         main([f"profile={tmp_path / 'nothere.json'}", f"peaks={tmp_path / 'peaks.json'}"])
     with pytest.raises(SystemExit, match="measure=true"):
         main(["bogus"])

@@ -1,0 +1,1 @@
+"""Investigation scripts, not product commands: see README.md here."""
