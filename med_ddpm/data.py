@@ -528,7 +528,7 @@ def resolve_cache(cache: str, num_items: int, variant: Variant, image_size: Sequ
 
 def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_dir: str | Path | None) -> Dataset:
     if cache == "memory":
-        return CacheDataset(records, transform, cache_rate=1.0, num_workers=None, progress=False)
+        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching mixed up a BraTS case's 4 image files
     if cache == "disk":
         if not cache_dir:
             raise ValueError("data.cache=disk needs data.cache_dir (a folder for MONAI's PersistentDataset)")
