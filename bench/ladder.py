@@ -292,6 +292,24 @@ def smoke_ladder(best: tuple[str, ...]) -> Iterator[Job]:
                 yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
 
 
+def e2e_ladder(best: tuple[str, ...]) -> Iterator[Job]:
+    """Issue 30, run by ``python -m bench.e2e`` (the real CLIs in a fresh process, not the step worker): the
+    README's sampling and training commands from process start with a cold and a warm compile cache, sampling
+    many masks, and BraTS training with the memory stack under a 16 GiB cap with EMA averaging and checkpoints.
+    Each job: ``scenario=``, ``compile_cache=``, ``masks=`` (sampling), then the command's overrides (composed by
+    ``configs/train.yaml`` or ``sample.yaml``, not ``bench.yaml``)."""
+    sample = ["scenario=e2e_sample", "experiment=fast_sample"]
+    yield [*sample, "masks=4", "compile_cache=cold"]
+    yield [*sample, "masks=4", "compile_cache=warm"]
+    yield [*sample, "masks=32", "compile_cache=warm"]
+    train = ["scenario=e2e_train", "experiment=fast_train", "train.max_steps=60"]
+    yield [*train, "compile_cache=cold"]
+    yield [*train, "compile_cache=warm"]
+    memory = "recipe=[amp_bf16,fused_groupnorm,sdpa_attention,cudnn_benchmark,checkpointing]"
+    yield ["scenario=e2e_train", "experiment=brats", memory, "train.max_steps=50", "train.ema_start=0",
+           "train.save_every=25", "train.sample_every=0", "train.memory_cap_gib=16", "compile_cache=cold"]
+
+
 PRESETS = {"gpu": gpu_ladder, "h200": gpu_ladder, "core": core_ladder, "tuning": tuning_ladder,
            "targets": targets_ladder, "quality": quality_ladder, "smoke": smoke_ladder}
 

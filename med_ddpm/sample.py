@@ -212,6 +212,7 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
         volume_s.append(time.perf_counter() - start)
         if len(volume_s) == 1:
             clock.mark("first_volume_done")
+            clock.set(image_size=list(cond.shape[1:]))
             if job.cache is not None:
                 job.cache.save()
         for k in range(cfg.num_samples):

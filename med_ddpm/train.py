@@ -390,7 +390,10 @@ def fit(job: Job) -> dict[str, Any]:
         bar.close()
         summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
     if rank0:
-        timer.write(job.out_dir, compile_cache=cache_status(cache), peak_mem_gib=summary.get("peak_mem_gib"))
+        reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
+        timer.write(job.out_dir, compile_cache=cache_status(cache), recipes=job.stack.names,
+                    peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
+                    memory_cap_gib=cfg.get("memory_cap_gib"))
     job.tracker.finish()
     return summary
 
