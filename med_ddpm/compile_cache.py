@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from med_ddpm.utils import atomic_write, atomic_write_text
 from optim import RecipeStack
@@ -81,8 +82,14 @@ class CompileCache:
         return cache
 
     def use_inductor_dir(self) -> None:
-        """Point inductor's on-disk caches into the cache folder, unless the user chose a folder already."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.root / "inductor"))
+        """Point inductor's on-disk caches into the cache folder, unless the user chose a folder already.
+
+        Building a compile recipe already sets ``TORCHINDUCTOR_CACHE_DIR`` to inductor's ``/tmp`` default,
+        so that value counts as unset.
+        """
+        current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.root / "inductor")
 
     def load(self) -> str:
         """Hot-load the saved artifacts, if any; returns and remembers ``warm`` or ``cold``.
