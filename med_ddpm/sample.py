@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import hydra
 import nibabel as nib
@@ -43,6 +43,7 @@ from med_ddpm.volume_io import save_montage_png, save_volume_like
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
+T = TypeVar("T")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
@@ -114,6 +115,17 @@ def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_di
     save_montage_png(x0, cond, out_dir / f"{name}.png", title=name)
     log.info("wrote %s", out)
     return out
+
+
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each next one prepared on a thread while the caller works on the current one (the next mask
+    is read and preprocessed while this one samples). An error preparing an item is raised where it is due."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-masks") as pool:
+        source, done = iter(items), object()
+        upcoming = pool.submit(next, source, done)
+        while (item := upcoming.result()) is not done:
+            upcoming = pool.submit(next, source, done)
+            yield item
 
 
 class BackgroundWriter:
@@ -203,7 +215,7 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
     clock.mark("model_ready")
     volume_s = []
     levels = len(job.loaded.model.config["channel_mult"])
-    for index, name, cond, nifti in conditions(cfg, variant, size, resize_mode, levels):
+    for index, name, cond, nifti in prefetched(conditions(cfg, variant, size, resize_mode, levels)):
         start = time.perf_counter()
         c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
         generator = distributed.keyed_generator(job.device, cfg.seed, index)

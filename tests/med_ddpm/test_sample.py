@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from med_ddpm.sample import BackgroundWriter
+from med_ddpm.sample import BackgroundWriter, prefetched
 
 
 def test_writes_run_behind_sampling_in_order_and_the_queue_is_bounded():
@@ -42,3 +43,21 @@ def test_a_write_error_surfaces_in_the_sampling_thread():
     last.submit(broken, Path("c"))
     with pytest.raises(OSError, match="c: disk full"):  # the last volume's error: at close
         last.close()
+
+
+def test_the_next_mask_is_prepared_while_this_one_samples():
+    prepared = []
+
+    def masks():
+        for name in ("a", "b", "c"):
+            prepared.append(name)
+            yield name
+        raise ValueError("d.nii.gz: unreadable")
+
+    stream = prefetched(masks())
+    assert next(stream) == "a"
+    time.sleep(0.5)  # meanwhile the thread reads "b"
+    assert prepared == ["a", "b"]
+    assert list(zip(range(2), stream)) == [(0, "b"), (1, "c")]
+    with pytest.raises(ValueError, match="d.nii.gz"):
+        next(stream)
