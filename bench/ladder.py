@@ -218,9 +218,8 @@ def tuning_ladder(best: tuple[str, ...]) -> Iterator[Job]:
 
 
 def fast_train_stack(best: tuple[str, ...]) -> tuple[str, ...]:
-    """``experiment=fast_train``'s recipes (with :data:`FAST_TRAIN_OPTIONS`) with CUDA-graph trees in place of
-    ``compile``: the fastest measured train step (round 14: 53.2 ms). The experiment ships ``compile``: CUDA-graph
-    trees cannot accumulate its 2 micro-batches (:meth:`optim.compile.Compile.supports_training`)."""
+    """``experiment=fast_train``'s recipes (with :data:`FAST_TRAIN_OPTIONS`): the fastest measured train step (round
+    14: 53.2 ms), graphed with CUDA-graph trees (the experiment trains at batch 2 without accumulation for them)."""
     return _with(_with(fast_sample_stack(best), "dense_conv_grads", after="narrow_conv_gemm"), "fused_adam",
                  after="compile_cudagraphs")
 
