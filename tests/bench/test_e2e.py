@@ -77,3 +77,17 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
     timings = json.loads((tmp_path / "jobs" / "e2e_01" / "run" / "timings.json").read_text())
     assert timings["steps"] == 6 and timings["volumes_per_step"] == 2
     assert run(iter(jobs), args_for(tmp_path)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
+
+
+@pytest.mark.slow
+def test_a_warm_compile_cache_reaches_the_training_loop(tmp_path):
+    """Cold, then warm: the second training run loads the artifacts the first saved after its first step."""
+    train = ["scenario=e2e_train", "experiment=whole_head", "model=tiny", "model.image_size=[16,16,16]",
+             "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=4", "train.grad_accum=1",
+             "data.num_workers=0", "recipe=[compile]"]
+    assert run(iter([[*train, "compile_cache=cold"], [*train, "compile_cache=warm"]]), args_for(tmp_path)) == 0
+    cold, warm = read_rows(tmp_path)
+    assert (cold["status"], warm["status"]) == ("ok", "ok"), (cold["message"], warm["message"])
+    assert (cold["compile_cache"], warm["compile_cache"]) == ("cold", "warm")
+    assert len(list((tmp_path / "cache").rglob("train-*.bin"))) == 1
+    assert not (tmp_path / "jobs" / "e2e_01" / "prime.log").exists()  # the cold job's cache was reused
