@@ -377,7 +377,7 @@ def fit(job: Job) -> dict[str, Any]:
             update_ema(job)
             job.step += 1
             bar.update(1)
-            if timer.step_done(last=job.step == cfg.max_steps) and cache is not None:
+            if timer.step_done(last=job.step == cfg.max_steps) and cache is not None and rank0:
                 cache.save()
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
                 value = loss.item()  # the loop's one wait for the GPU between logs
