@@ -236,9 +236,10 @@ ARGS = ("out", "data_root", "checkpoint", "masks_dir", "brats_root", "cache_dir"
 
 def parse_args(argv: list[str]) -> dict[str, str]:
     args = dict(a.partition("=")[::2] for a in argv)
-    unknown = sorted(set(args) - set(ARGS))
-    if unknown or "out" not in args or "data_root" not in args:
-        raise SystemExit(f"bench.e2e: bad arguments {unknown or argv}; expected out=DIR data_root=DIR "
+    problems = [f"unknown {k}=" for k in sorted(set(args) - set(ARGS))] + [
+        f"missing {k}=" for k in ("out", "data_root") if k not in args]
+    if problems:
+        raise SystemExit(f"bench.e2e: {', '.join(problems)}; expected out=DIR data_root=DIR "
                          "[checkpoint=PATH (sampling jobs)] [masks_dir=DIR] [brats_root=DIR] [cache_dir=DIR] "
                          "[only=REGEX] [budget_s=SECONDS]")
     return args

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import command, run, sample_split, split_job, train_split, workload
+from bench.e2e import command, parse_args, run, sample_split, split_job, train_split, workload
 from bench.ladder import e2e_ladder
 from bench.records import read_rows
 
@@ -54,9 +54,11 @@ def test_the_split_is_read_off_the_marks():
     assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
 
 
-def test_a_job_without_its_keys_is_refused():
+def test_a_job_without_its_keys_and_bad_arguments_are_refused():
     with pytest.raises(SystemExit, match="compile_cache=cold"):
         split_job(["scenario=e2e_sample", "experiment=fast_sample"])
+    with pytest.raises(SystemExit, match="unknown mask=, missing data_root="):
+        parse_args(["out=x", "mask=4"])
 
 
 @pytest.mark.slow
