@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from med_ddpm.utils import atomic_write, atomic_write_text
 from optim import RecipeStack
@@ -87,6 +86,8 @@ class CompileCache:
         Building a compile recipe already sets ``TORCHINDUCTOR_CACHE_DIR`` to inductor's ``/tmp`` default,
         so that value counts as unset.
         """
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # inductor: seconds to import
+
         current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.root / "inductor")

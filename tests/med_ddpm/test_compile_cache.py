@@ -80,3 +80,11 @@ def test_a_second_process_starts_warm(tmp_path):
                            cwd=REPO, timeout=300, env=env) for _ in range(2)]
     assert [r.stdout.split() for r in runs] == [["cold", "True"], ["warm", "False"]], runs[0].stderr[-2000:]
     assert len(list(tmp_path.glob("test-*.bin"))) == 1 and (tmp_path / "inductor").is_dir()
+
+
+@pytest.mark.slow
+def test_the_commands_do_not_import_inductor_without_a_compile_recipe():
+    """Start-up: importing torch's compiler stack takes seconds; an eager run never pays it."""
+    probe = "import sys, med_ddpm.train, med_ddpm.sample; print('torch._inductor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
