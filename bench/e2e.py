@@ -15,7 +15,7 @@ A job is a list of strings: ``scenario=e2e_sample|e2e_train``, ``compile_cache=c
 (``paths.compile_cache``, inductor's and Triton's caches) first; ``warm`` runs the same command once
 beforehand if that folder has no compile artifacts yet (untimed). Sampling gets N masks by cycling the files
 of ``masks_dir`` (default ``<data_root>/mask``); training uses ``data_root``, and BraTS jobs phantom cases
-written at the model size unless ``brats_root`` is given. Resumable: a job whose row is in results.jsonl is
+written at the model size unless ``brats_root`` is given. ``<out>/report.md`` tabulates the rows. Resumable: a job whose row is in results.jsonl is
 skipped; ``budget_s`` stops starting jobs once spent, and a job it cuts short leaves no row.
 
 Row fields beyond the common ones (:mod:`bench.records`), all seconds unless named otherwise:
@@ -56,7 +56,7 @@ from bench.records import RESULTS_FILE, append_row, read_rows
 from bench.worker import OOM_PATTERN, STDERR_TAIL
 from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.timings import TIMINGS_FILE
-from med_ddpm.utils import env_info
+from med_ddpm.utils import atomic_write_text, env_info
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 JOB_KEYS = ("scenario", "compile_cache", "masks")
@@ -201,6 +201,23 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
     return row
 
 
+TABLE = (("compile_cache", "cache"), ("total_s", "total s"), ("startup_s", "start-up s"),
+         ("first_volume_s", "first mask s"), ("per_volume_s", "s per later mask"), ("write_exposed_s", "writing shown s"),
+         ("time_to_first_step_s", "to first step s"), ("ms_per_volume", "ms per volume"),
+         ("data_wait_pct", "data wait %"), ("peak_reserved_gib", "peak reserved GiB"))
+
+
+def report(rows: list[Mapping[str, Any]]) -> str:
+    """A markdown table of the e2e rows (one line each, failures with their first message line)."""
+    lines = ["| job | " + " | ".join(title for _, title in TABLE) + " | status |",
+             "| --- |" + " --- |" * (len(TABLE) + 1)]
+    for row in rows:
+        cells = ["" if row.get(key) is None else str(row[key]) for key, _ in TABLE]
+        status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row['message'].splitlines()[0]}"
+        lines.append(f"| `{row['e2e']}` | " + " | ".join(cells) + f" | {status} |")
+    return "\n".join(lines) + "\n"
+
+
 def done_jobs(out: Path) -> set[str]:
     return {r.get("e2e") for r in read_rows(out)} if (out / RESULTS_FILE).exists() else set()
 
@@ -227,6 +244,8 @@ def run(jobs: Iterator[Sequence[str]], args: Mapping[str, str]) -> int:
         print(json.dumps({k: row.get(k) for k in ("e2e", "status", "compile_cache", "total_s", "first_volume_s",
                                                    "per_volume_s", "time_to_first_step_s", "ms_per_volume",
                                                    "data_wait_pct")}))
+    if (out / RESULTS_FILE).exists():
+        atomic_write_text(out / "report.md", report([r for r in read_rows(out) if r.get("e2e")]))
     print(f"e2e: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
     return left
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import command, parse_args, run, sample_split, split_job, train_split, workload
+from bench.e2e import command, parse_args, report, run, sample_split, split_job, train_split, workload
 from bench.ladder import e2e_ladder
 from bench.records import read_rows
 
@@ -54,6 +54,15 @@ def test_the_split_is_read_off_the_marks():
     assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
 
 
+def test_the_report_has_a_line_per_row_and_names_failures():
+    rows = [{"e2e": "scenario=e2e_sample masks=4 compile_cache=warm", "status": "ok", "message": "", "total_s": 14.2,
+             "per_volume_s": 1.95, "compile_cache": "warm"},
+            {"e2e": "scenario=e2e_train compile_cache=cold", "status": "oom", "message": "exit code 1; log tail:\n..."}]
+    lines = report(rows).splitlines()
+    assert len(lines) == 4 and "| warm | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
+    assert lines[3].endswith("| oom: exit code 1; log tail: |")
+
+
 def test_a_job_without_its_keys_and_bad_arguments_are_refused():
     with pytest.raises(SystemExit, match="compile_cache=cold"):
         split_job(["scenario=e2e_sample", "experiment=fast_sample"])
@@ -79,6 +88,8 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
     timings = json.loads((tmp_path / "jobs" / "e2e_01" / "run" / "timings.json").read_text())
     assert timings["steps"] == 6 and timings["volumes_per_step"] == 2
     assert run(iter(jobs), args_for(tmp_path)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
+    table = (tmp_path / "report.md").read_text().splitlines()
+    assert len(table) == 4 and f"| {sample['total_s']} |" in table[2] and table[3].endswith("| ok |")
 
 
 @pytest.mark.slow
