@@ -4,7 +4,9 @@ Accepts this project's checkpoints and original Med-DDPM ones (architecture infe
 the weights). For every mask it writes ``<mask name>.nii.gz`` (``_k`` suffixes when
 ``num_samples > 1``) with that mask's affine and header, plus a PNG montage of mid-slices
 (image | mask overlay). Fewer steps: ``sampler=ddim sampler.steps=50`` (or dpm_solver_pp, deis).
-Recipes apply as in training: ``'recipe=[tf32,amp_bf16]'``.
+Recipes apply as in training: ``'recipe=[tf32,amp_bf16]'``; compiled ones load and save the compile cache
+(``paths.compile_cache``, :mod:`med_ddpm.compile_cache`). A volume's files are written while the next mask
+samples, and ``<output_dir>/timings.json`` says where the time went (docs/end-to-end.md).
 
 Multi-GPU: ``torchrun --nproc_per_node=N -m med_ddpm.sample ...`` gives rank r the masks
 r, r+N, ...; each output is written once, by the rank that owns its mask. Mask i's noise comes
