@@ -182,6 +182,24 @@ def smoke_ladder(best: Stack) -> Iterator[Job]:
                 yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
 
 
+def e2e_ladder() -> Iterator[Job]:
+    """Run by :func:`bench.e2e.run` (the real CLIs in a fresh process, not the step worker): the
+    README's sampling and training commands from process start with a cold and a warm compile cache, sampling
+    many masks, and BraTS training with the memory stack under a 16 GiB cap with EMA averaging and checkpoints.
+    Each job: ``scenario=``, ``compile_cache=``, ``masks=`` (sampling), then the command's overrides (composed by
+    ``configs/train.yaml`` or ``sample.yaml``, not ``bench.yaml``)."""
+    sample = ["scenario=e2e_sample", "experiment=fast_sample"]
+    yield [*sample, "masks=4", "compile_cache=cold"]
+    yield [*sample, "masks=4", "compile_cache=warm"]
+    yield [*sample, "masks=32", "compile_cache=warm"]
+    train = ["scenario=e2e_train", "experiment=fast_train", "train.max_steps=60"]
+    yield [*train, "compile_cache=cold"]
+    yield [*train, "compile_cache=warm"]
+    memory = "recipe=[amp_bf16,fused_groupnorm,sdpa_attention,cudnn_benchmark,checkpointing]"
+    yield ["scenario=e2e_train", "experiment=brats", memory, "train.max_steps=50", "train.ema_start=0",
+           "train.save_every=25", "train.sample_every=0", "train.memory_cap_gib=16", "compile_cache=cold"]
+
+
 # preset= name -> its jobs, from the ladder config (configs/ladder.yaml: best, checkpoint). One line per preset.
 PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
     "smoke": lambda cfg: smoke_ladder(tuple(cfg.best)),
@@ -189,6 +207,7 @@ PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
     "core": lambda cfg: core_ladder(tuple(cfg.best)),
     "targets": lambda cfg: targets_ladder(),
     "quality": lambda cfg: quality_ladder(tuple(cfg.best), cfg.checkpoint),
+    "e2e": lambda cfg: e2e_ladder(),
 }
 
 
@@ -271,6 +290,17 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
     return left
 
 
+def e2e_args(cfg: DictConfig) -> dict[str, str]:
+    """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
+    if not cfg.e2e.data_root:
+        raise SystemExit("bench.ladder: preset=e2e needs e2e.data_root=DIR (a whole-head DATA folder with image/ and "
+                         "mask/); sampling jobs also e2e.checkpoint=PATH")
+    args = {"out": cfg.out, **{k: v for k, v in cfg.e2e.items() if v is not None}}
+    if cfg.budget_s is not None:
+        args["budget_s"] = cfg.budget_s
+    return {k: str(v) for k, v in args.items()}
+
+
 def ladder_jobs(cfg: DictConfig) -> list[Job]:
     """The jobs of ``cfg.preset``, only those ``cfg.only`` (a regex over a job's overrides) names if set."""
     if cfg.preset not in PRESETS:
@@ -280,7 +310,13 @@ def ladder_jobs(cfg: DictConfig) -> list[Job]:
 
 
 def run(cfg: DictConfig) -> int:
-    """Run the ladder ``cfg`` (configs/ladder.yaml) describes; return the jobs left."""
+    """Run the ladder ``cfg`` (configs/ladder.yaml) describes; return the jobs left.
+
+    ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
+    if cfg.preset == "e2e":
+        from bench.e2e import run as run_e2e
+
+        return run_e2e(ladder_jobs(cfg), e2e_args(cfg))
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
     # only= runs just the jobs it names: the missing baselines are not among them
     return run_ladder(Path(cfg.out), ladder_jobs(cfg), budget_s, cfg.dry_run, cfg.refresh,

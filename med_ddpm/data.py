@@ -18,6 +18,8 @@ Med-DDPM checkpoints see what they were trained on.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +51,8 @@ from med_ddpm.errors import DataError
 
 INTENSITY_MODES = ("volume_minmax", "medddpm_slice_minmax", "none")
 RESIZE_MODES = ("crop_or_pad", "resample")
-CACHE_MODES = ("none", "memory", "disk")
+CACHE_MODES = ("auto", "none", "memory", "disk")
+MEMORY_CACHE_SHARE = 0.5  # cache=auto keeps the dataset in RAM when it takes at most this share of what is free
 BAD_FILE_MODES = ("error", "skip")
 SEG_LABEL_MODES = ("auto", "raw", "medddpm")
 BRATS_LAYOUTS = ("auto", "per_case", "per_modality")
@@ -429,11 +432,14 @@ class NiftiPairDataset(Dataset):
         records: one dict of file paths per usable case.
         skipped: (file or case, reason) for every case left out under ``on_bad_file="skip"``.
         orphan_masks: masks without an image (reported in one warning, not trained on).
+        cache: where preprocessed items live: ``memory`` (MONAI ``CacheDataset``, decoded once at start-up),
+            ``disk`` (``PersistentDataset``) or ``none`` (decoded at every access); ``auto`` picks memory
+            when it fits (:func:`resolve_cache`).
     """
 
     def __init__(self, pairing: Pairing, variant: Variant, image_size: Sequence[int], *,
                  intensity: str = "volume_minmax", resize_mode: str = "crop_or_pad", seg_labels: str = "auto",
-                 on_bad_file: str = "error", cache: str = "none", cache_dir: str | Path | None = None,
+                 on_bad_file: str = "error", cache: str = "auto", cache_dir: str | Path | None = None,
                  root: str | Path = "") -> None:
         _check_choice("on_bad_file", on_bad_file, BAD_FILE_MODES)
         _check_choice("cache", cache, CACHE_MODES)
@@ -453,7 +459,8 @@ class NiftiPairDataset(Dataset):
         signature = f"{variant.name}|{intensity}|{resize_mode}|{tuple(image_size)}"  # keys the disk cache
         for record in self.records:
             record["prep"] = signature + "|" + "|".join(_file_stamp(p) for p in [*record["image"], record["mask"]])
-        self._data = _cached_dataset(self.records, transform, cache, cache_dir)
+        self.cache = resolve_cache(cache, len(self.records), variant, image_size)
+        self._data = _cached_dataset(self.records, transform, self.cache, cache_dir)
 
     @property
     def num_skipped(self) -> int:
@@ -491,9 +498,37 @@ def _file_stamp(path: str) -> str:
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
+def available_ram_bytes() -> int:
+    """Memory the OS can give this process now: ``MemAvailable`` (Linux), else free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def dataset_bytes(num_items: int, variant: Variant, image_size: Sequence[int]) -> int:
+    """Size of the preprocessed dataset in memory: float32 image + condition channels per item."""
+    return num_items * (variant.image_channels + variant.cond_channels) * int(np.prod(image_size)) * 4
+
+
+def resolve_cache(cache: str, num_items: int, variant: Variant, image_size: Sequence[int]) -> str:
+    """``auto``: ``memory`` when the preprocessed dataset takes at most :data:`MEMORY_CACHE_SHARE` of the
+    available RAM (each file is then decoded once, at start-up, not at every step), else ``none``."""
+    if cache != "auto":
+        return cache
+    need, free = dataset_bytes(num_items, variant, image_size), available_ram_bytes()
+    chosen = "memory" if need <= MEMORY_CACHE_SHARE * free else "none"
+    logging.getLogger("med_ddpm.data").info("data.cache=auto: %s (dataset %.2f GiB, %.1f GiB RAM available)",
+                                            chosen, need / 2**30, free / 2**30)
+    return chosen
+
+
 def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_dir: str | Path | None) -> Dataset:
     if cache == "memory":
-        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)
+        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching mixed up a BraTS case's 4 image files
     if cache == "disk":
         if not cache_dir:
             raise ValueError("data.cache=disk needs data.cache_dir (a folder for MONAI's PersistentDataset)")

@@ -4,7 +4,9 @@ Accepts this project's checkpoints and original Med-DDPM ones (architecture infe
 the weights). For every mask it writes ``<mask name>.nii.gz`` (``_k`` suffixes when
 ``num_samples > 1``) with that mask's affine and header, plus a PNG montage of mid-slices
 (image | mask overlay). Fewer steps: ``sampler=ddim sampler.steps=50`` (or dpm_solver_pp, deis).
-Recipes apply as in training: ``'recipe=[tf32,amp_bf16]'``.
+Recipes apply as in training: ``'recipe=[tf32,amp_bf16]'``; compiled ones load and save the compile cache
+(``paths.compile_cache``, :mod:`med_ddpm.compile_cache`). A volume's files are written while the next mask
+samples, and ``<output_dir>/timings.json`` says where the time went (docs/end-to-end.md).
 
 Multi-GPU: ``torchrun --nproc_per_node=N -m med_ddpm.sample ...`` gives rank r the masks
 r, r+N, ...; each output is written once, by the rank that owns its mask. Mask i's noise comes
@@ -17,7 +19,13 @@ Example:
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import hydra
 import nibabel as nib
@@ -26,15 +34,18 @@ from omegaconf import DictConfig
 
 from med_ddpm import distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
+from med_ddpm.compile_cache import CompileCache, cache_status
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition
 from med_ddpm.errors import DataError
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import sample, sampler_from_config
+from med_ddpm.timings import RunClock
 from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png, save_volume_like
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
+T = TypeVar("T")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
@@ -104,31 +115,147 @@ def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_di
     reference = nifti if nifti is not None else (torch.eye(4).numpy(), None)
     save_volume_like(x0, reference, out, dtype="float32", resize_mode=resize_mode)
     save_montage_png(x0, cond, out_dir / f"{name}.png", title=name)
+    log.info("wrote %s", out)
     return out
 
 
-def run(cfg: DictConfig) -> list[Path]:
-    """Load the checkpoint, then sample ``num_samples`` volumes for each of this rank's masks; returns its files."""
-    device = distributed.init_from_env(cfg.device)  # joins torchrun's process group, if any
+def prefetched(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each next one prepared on a thread while the caller works on the current one (the next mask
+    is read and preprocessed while this one samples). An error preparing an item is raised where it is due."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-masks") as pool:
+        source, done = iter(items), object()
+        upcoming = pool.submit(next, source, done)
+        while (item := upcoming.result()) is not done:
+            upcoming = pool.submit(next, source, done)
+            yield item
+
+
+class BackgroundWriter:
+    """Writes one volume's files on a thread while the device samples the next.
+
+    One thread, at most ``depth`` volumes queued (each holds a CPU copy of its volume), so a slow disk
+    slows sampling down instead of filling memory. A write's error is raised in the sampling thread at
+    the next :meth:`submit` that has to wait, or at :meth:`close`; files are written atomically, so a
+    failed write leaves no partial file.
+    """
+
+    def __init__(self, depth: int = 2) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-writer")
+        self.pending: deque[Future] = deque()
+        self.depth, self.written = depth, []
+        self.busy_s = self.wait_s = 0.0  # seconds the thread wrote; seconds sampling waited for it
+
+    def submit(self, fn: Callable[..., Path], *args: Any) -> None:
+        while len(self.pending) >= self.depth:
+            self._collect_oldest()
+        self.pending.append(self.pool.submit(self._timed, fn, *args))
+
+    def _timed(self, fn: Callable[..., Path], *args: Any) -> Path:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def _collect_oldest(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.written.append(self.pending.popleft().result())
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def close(self) -> list[Path]:
+        """Wait for every queued write; returns the written NIfTI paths in submission order."""
+        try:
+            while self.pending:
+                self._collect_oldest()
+        finally:
+            for future in self.pending:
+                future.cancel()
+            self.pool.shutdown(wait=True)
+        return self.written
+
+
+@dataclass
+class SamplingJob:
+    """Everything :func:`sample_all` needs, built once from the config by :func:`prepare`."""
+
+    cfg: DictConfig
+    device: torch.device
+    loaded: Loaded
+    sampler: Any
+    stack: RecipeStack
+    geometry: tuple[str, list[int] | None, str]  # (data variant, model image size, resize mode)
+    out_dir: Path
+    cache: CompileCache | None
+
+
+def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
+    """Join torchrun's process group (if any), create the CUDA context, load the checkpoint and recipes."""
+    device = distributed.init_from_env(cfg.device)
+    torch.empty(1, device=device)  # creates the CUDA context here, so its cost is timed on its own
+    clock.mark("device_ready")
     seed_everything(cfg.seed)
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
-    variant, size, resize_mode = sampling_geometry(loaded, cfg)
-    sampler = sampler_from_config(cfg.sampler, loaded.schedule.to(device))
+    loaded.model.to(device)
+    geometry = sampling_geometry(loaded, cfg)
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
-    out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
-    written = []
-    with stack.session():
-        model = stack.prepare_model(loaded.model.to(device))
-        for index, name, cond, nifti in conditions(cfg, variant, size, resize_mode, len(loaded.model.config["channel_mult"])):
-            c = stack.prepare_input(cond[None].to(device).expand(cfg.num_samples, *cond.shape))
-            generator = distributed.keyed_generator(device, cfg.seed, index)
-            x0 = sample(model, sampler, c, generator=generator, progress=cfg.progress and distributed.is_main(),
-                        forward_context=stack.forward_context, out_channels=loaded.model.out_channels)
-            for k in range(cfg.num_samples):
-                suffix = f"_{k}" if cfg.num_samples > 1 else ""
-                written.append(write_outputs(x0[k].cpu(), cond, name + suffix, nifti, out_dir, resize_mode))
-                log.info("wrote %s", written[-1])
+    cache = CompileCache.for_run(cfg.get("paths", {}).get("compile_cache"), "sample", stack, device,
+                                 {"model": loaded.model.config, "batch": cfg.num_samples, "size": geometry[1]})
+    return SamplingJob(cfg, device, loaded, sampler_from_config(cfg.sampler, loaded.schedule.to(device)), stack,
+                       geometry, Path(distributed.broadcast_object(str(cfg.output_dir))), cache)  # Hydra's dir may differ per rank
+
+
+def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> list[float]:
+    """Sample this rank's masks inside the recipe session, handing each volume to ``writer``; returns the
+    seconds each mask took (the first includes compilation, cuDNN autotuning and CUDA-graph capture)."""
+    cfg, (variant, size, resize_mode) = job.cfg, job.geometry
+    if job.cache is not None:
+        job.cache.load()
+    model = job.stack.prepare_model(job.loaded.model)
+    clock.mark("model_ready")
+    volume_s = []
+    levels = len(job.loaded.model.config["channel_mult"])
+    for index, name, cond, nifti in prefetched(conditions(cfg, variant, size, resize_mode, levels)):
+        start = time.perf_counter()
+        c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
+        generator = distributed.keyed_generator(job.device, cfg.seed, index)
+        x0 = sample(model, job.sampler, c, generator=generator, progress=cfg.progress and distributed.is_main(),
+                    forward_context=job.stack.forward_context, out_channels=job.loaded.model.out_channels).cpu()
+        volume_s.append(time.perf_counter() - start)
+        if len(volume_s) == 1:
+            clock.mark("first_volume_done")
+            clock.set(image_size=list(cond.shape[1:]))
+            if job.cache is not None:
+                job.cache.save()
+        for k in range(cfg.num_samples):
+            suffix = f"_{k}" if cfg.num_samples > 1 else ""
+            writer.submit(write_outputs, x0[k], cond, name + suffix, nifti, job.out_dir, resize_mode)
+    clock.mark("sampling_done")
+    return volume_s
+
+
+def run(cfg: DictConfig) -> list[Path]:
+    """Load the checkpoint, then sample ``num_samples`` volumes for each of this rank's masks; returns its files.
+
+    Writing overlaps the next volume's sampling (:class:`BackgroundWriter`); where the time went is
+    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.timings`).
+    """
+    clock = RunClock("sample")
+    clock.mark("run_start")
+    job = prepare(cfg, clock)
+    writer = BackgroundWriter()
+    try:
+        with job.stack.session():
+            volume_s = sample_all(job, writer, clock)
+    finally:
+        written = writer.close()  # raises a write's error
+    clock.set(volumes=len(volume_s) * cfg.num_samples, volume_s=[round(s, 4) for s in volume_s],
+              write_busy_s=round(writer.busy_s, 4), write_wait_s=round(writer.wait_s, 4),
+              compile_cache=cache_status(job.cache), recipes=job.stack.names)
+    if distributed.is_main():
+        clock.write(job.out_dir)
     return written
 
 

@@ -36,11 +36,13 @@ from tqdm.auto import tqdm
 
 from med_ddpm import distributed
 from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
+from med_ddpm.compile_cache import CompileCache, cache_status
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.errors import CheckpointError
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.samplers import sample, sampler_from_config
+from med_ddpm.timings import LoopTimer, RunClock, TimedIterator
 from med_ddpm.tracking import Tracker, build_tracker
 from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png
@@ -323,26 +325,71 @@ def train_step(job: TrainState, batches: Iterator[dict]) -> torch.Tensor:
     return torch.stack(losses).sum() / cfg.grad_accum if trained else torch.tensor(float("nan"))
 
 
+def cap_memory(device: torch.device, gib: float | None) -> None:
+    """``train.memory_cap_gib``: this process may allocate at most that much GPU memory, as on a smaller card
+    (``torch.cuda.set_per_process_memory_fraction``), so a run that passes here fits there. The cap covers
+    PyTorch's allocator (tensors, cached blocks, cuDNN and cuBLAS workspaces), not the CUDA context itself."""
+    if gib is None:
+        return
+    if device.type != "cuda":
+        log.info("train.memory_cap_gib=%s ignored: the run is on %s", gib, device)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not 0 < gib * 2**30 <= total:
+        raise ValueError(f"train.memory_cap_gib={gib} must be in (0, {total / 2**30:.1f}], this GPU's memory in GiB")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
+
+
+def batch_stream(job: Job) -> TimedIterator:
+    """This rank's batches from the current step on, timed: the seconds the loop waits for data.
+
+    Workers (``data.num_workers``) prepare batches ahead (``prefetch_factor`` each) and the loader pins them,
+    so ``train_step``'s ``non_blocking`` copies overlap; with ``data.cache=memory`` a worker only collates.
+    """
+    cfg, world = job.cfg.train, distributed.world_size()
+    start = job.step * cfg.grad_accum * cfg.batch_size * world  # global sample position
+    sampler = EpochSampler(len(job.dataset), job.cfg.seed, start, distributed.rank(), world)
+    loader = DataLoader(job.dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                        num_workers=cfg.num_workers, pin_memory=job.device.type == "cuda",
+                        prefetch_factor=4 if cfg.num_workers else None)
+    return TimedIterator(iter(loader))
+
+
+def compile_cache(job: Job) -> CompileCache | None:
+    """The project's compile cache for this run's stack and workload (None without a compile recipe)."""
+    workload = {"model": OmegaConf.to_container(job.cfg.model, resolve=True), "batch": job.cfg.train.batch_size,
+                "grad_accum": job.cfg.train.grad_accum, "world_size": distributed.world_size()}
+    return CompileCache.for_run(job.cfg.get("paths", {}).get("compile_cache"), "train", job.stack, job.device, workload)
+
+
 def fit(job: Job) -> dict[str, Any]:
-    """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints."""
+    """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints.
+
+    Rank 0 writes where the time went to ``<output_dir>/timings.json``: start-up, the first step
+    (compilation), the steady state per volume and the share of it spent waiting for data.
+    """
     cfg = job.cfg.train
-    rank0, world = distributed.is_main(), distributed.world_size()
+    rank0 = distributed.is_main()
+    cap_memory(job.device, cfg.get("memory_cap_gib"))
     with job.stack.session():
+        cache = compile_cache(job)
+        if cache is not None:
+            cache.load()
         job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
         if (path := checkpoint_path(job)) is not None:
             restore(job, path)
-        start = job.step * cfg.grad_accum * cfg.batch_size * world  # global sample position
-        sampler = EpochSampler(len(job.dataset), job.cfg.seed, start, distributed.rank(), world)
-        loader = DataLoader(job.dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                            num_workers=cfg.num_workers, pin_memory=job.device.type == "cuda")
-        batches = iter(loader)
+        batches = batch_stream(job)
         if job.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(job.device)
         bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
+        timer = LoopTimer(RunClock("train"), job.device, batches, cfg.batch_size * cfg.grad_accum)
         t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
         while job.step < cfg.max_steps:
             loss = train_step(job, batches)
             bar.update(1)
+            if timer.step_done(last=job.step == cfg.max_steps) and cache is not None and rank0:
+                cache.save()
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
                 value = loss.item()  # the loop's one wait for the GPU between logs
                 bar.set_postfix(loss=f"{value:.4f}")
@@ -354,6 +401,11 @@ def fit(job: Job) -> dict[str, Any]:
                 save(job)
         bar.close()
         summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
+    if rank0:
+        reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
+        timer.write(job.out_dir, compile_cache=cache_status(cache), recipes=job.stack.names,
+                    peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
+                    memory_cap_gib=cfg.get("memory_cap_gib"))
     job.tracker.finish()
     return summary
 

@@ -9,12 +9,16 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from monai.data import CacheDataset
 from omegaconf import OmegaConf
 
+from med_ddpm import data as data_module
 from med_ddpm.data import (
+    VARIANTS,
     BratsDataset,
     WholeHeadDataset,
     build_dataset,
+    dataset_bytes,
     labels_to_cond,
     list_brats_cases,
     list_pairs,
@@ -232,13 +236,32 @@ def test_crop_or_pad_fills_background(good_root):
 @pytest.mark.parametrize("cache", ["memory", "disk"])
 def test_cache_gives_same_items(good_root, tmp_path_factory, cache):
     cache_dir = tmp_path_factory.mktemp("cache")
-    plain = WholeHeadDataset(good_root, SIZE)
+    plain = WholeHeadDataset(good_root, SIZE, cache="none")
     cached = WholeHeadDataset(good_root, SIZE, cache=cache, cache_dir=cache_dir)
     for _ in range(2):  # second pass reads the cache
         for index in range(2):
             assert torch.equal(cached[index]["image"], plain[index]["image"])
             assert torch.equal(cached[index]["cond"], plain[index]["cond"])
     assert (cache == "disk") == any(cache_dir.iterdir())
+
+
+@pytest.mark.parametrize(("free_gib", "chosen"), [(1.0, "memory"), (1e-4, "none")])
+def test_cache_auto_keeps_the_dataset_in_memory_when_it_fits(good_root, monkeypatch, free_gib, chosen):
+    """2 items of 16^3 x (1 image + 2 mask channels) float32 = 98,304 bytes: memory when that is at most half
+    the available RAM."""
+    assert dataset_bytes(2, VARIANTS["whole_head"], SIZE) == 98_304
+    monkeypatch.setattr(data_module, "available_ram_bytes", lambda: int(free_gib * 2**30))
+    dataset = WholeHeadDataset(good_root, SIZE)
+    assert dataset.cache == chosen
+    assert isinstance(dataset._data, CacheDataset) == (chosen == "memory")
+
+
+def test_brats_memory_cache_keeps_every_modality(tmp_path):
+    write_phantom_niftis(tmp_path, 2, SIZE, variant="brats")
+    plain, cached = (BratsDataset(tmp_path, SIZE, cache=cache) for cache in ("none", "memory"))
+    for index in range(2):
+        assert cached[index]["image"].shape == (4, *SIZE)
+        assert torch.equal(cached[index]["image"], plain[index]["image"])
 
 
 def test_option_errors_name_the_key(good_root):

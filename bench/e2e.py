@@ -1,0 +1,250 @@
+"""End-to-end scenarios: a user's command, timed from process start, with the real CLIs.
+
+The step benchmarks (``bench.sweep``, ``bench.ladder``) time one warmed-up step. A user pays more: Python
+and library imports, CUDA initialisation, loading data or a checkpoint, compilation and cuDNN autotuning,
+writing NIfTI files, waiting for data. Each job here runs ``python -m med_ddpm.sample`` or
+``python -m med_ddpm.train`` in a fresh process, as a user would, reads the ``timings.json`` the command
+writes (:mod:`med_ddpm.timings`) and appends one row to ``<out>/results.jsonl``.
+
+Example (the jobs of :func:`bench.ladder.e2e_ladder`; ``only=REGEX`` picks some):
+    python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
+    python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA only=e2e_train
+
+A job is a list of strings: ``scenario=e2e_sample|e2e_train``, ``compile_cache=cold|warm``, for sampling
+``masks=N``, then the command's own Hydra overrides. ``cold`` empties the job's compile-cache folder
+(``paths.compile_cache``, inductor's and Triton's caches) first; ``warm`` runs the same command once
+beforehand if that folder has no compile artifacts yet (untimed). Sampling gets N masks by cycling the files
+of ``masks_dir`` (default ``<data_root>/mask``); training uses ``data_root``, and BraTS jobs phantom cases
+written at the model size unless ``brats_root`` is given. ``<out>/report.md`` tabulates the rows. Resumable: a job whose row is in results.jsonl is
+skipped; ``budget_s`` stops starting jobs once spent, and a job it cuts short leaves no row.
+
+Row fields beyond the common ones (:mod:`bench.records`), all seconds unless named otherwise:
+
+=====================  ===================================================================================
+e2e                    the job, as its strings joined by spaces (its identity)
+compile_cache          ``cold`` | ``warm`` | ``off`` (no compiled recipe)
+total_s                spawn to exit, measured here
+startup_s              process start to the model ready (imports, CUDA init, checkpoint or data, cache load)
+imports_s, cuda_init_s  of which: to the command's first line (interpreter, imports, Hydra); CUDA context
+first_volume_s         sampling: the first mask (compilation, cuDNN autotuning, CUDA-graph capture)
+per_volume_s           sampling: every later mask, amortised (mask loading and queued writes included)
+compile_s              the first mask's or step's excess over the steady state
+write_busy_s           sampling: the background writer's time; write_exposed_s: what sampling waited for it
+first_step_s           training: the first optimizer step; time_to_first_step_s from process start
+ms_per_volume          training: steady state; data_wait_pct: share of it the loop waited for batches
+peak_mem_gib           ``max_memory_allocated``; peak_reserved_gib: the allocator's (what the GPU holds)
+=====================  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+
+from bench.records import RESULTS_FILE, append_row, read_rows
+from bench.worker import OOM_PATTERN, STDERR_TAIL
+from med_ddpm.phantoms import write_phantom_niftis
+from med_ddpm.timings import TIMINGS_FILE
+from med_ddpm.utils import atomic_write_text, env_info
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+JOB_KEYS = ("scenario", "compile_cache", "masks")
+SCENARIOS = ("e2e_sample", "e2e_train")
+BRATS_SIZE = (144, 192, 192)  # (D, H, W): the original BraTS model's size
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # a cold job's caches must be its own
+JOB_LIMIT_S = 480.0  # one job's own time limit (its warm-up run and its timed run each)
+
+
+def split_job(job: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """(the job's own keys, the command's Hydra overrides)."""
+    own = {k: v for k, _, v in (s.partition("=") for s in job) if k in JOB_KEYS}
+    if own.get("scenario") not in SCENARIOS or own.get("compile_cache") not in ("cold", "warm"):
+        raise SystemExit(f"bench.e2e: job {list(job)} needs scenario={'|'.join(SCENARIOS)} and compile_cache=cold|warm")
+    return own, [s for s in job if s.partition("=")[0] not in JOB_KEYS]
+
+
+def cycled_masks(source: Path, count: int, folder: Path) -> Path:
+    """``folder`` with ``count`` masks, links to the files of ``source`` in turn (mask_000.nii.gz, ...)."""
+    files = sorted(p for p in source.iterdir() if p.name.endswith((".nii.gz", ".nii")))
+    if not files:
+        raise SystemExit(f"bench.e2e: {source} has no .nii/.nii.gz masks (set masks_dir=DIR)")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for i in range(count):
+        src = files[i % len(files)].resolve()
+        (folder / f"mask_{i:03d}{'.nii.gz' if src.name.endswith('.gz') else '.nii'}").symlink_to(src)
+    return folder
+
+
+def brats_phantoms(folder: Path, cases: int = 2) -> Path:
+    """BraTS-layout phantom cases at the model size (crop_or_pad keeps them as they are), written once."""
+    if not (folder / f"phantom_{cases - 1:04d}").is_dir():
+        write_phantom_niftis(folder, cases, BRATS_SIZE, variant="brats")
+    return folder
+
+
+def command(own: Mapping[str, str], overrides: list[str], args: Mapping[str, str], job_dir: Path) -> list[str]:
+    """The user's command line for a job, with its data, output folder and quiet progress."""
+    run_dir = job_dir / "run"
+    if own["scenario"] == "e2e_sample":
+        if "checkpoint" not in args:
+            raise SystemExit("bench.e2e: sampling jobs need checkpoint=PATH (an original Med-DDPM or this project's)")
+        masks = cycled_masks(Path(args.get("masks_dir") or Path(args["data_root"]) / "mask"), int(own.get("masks", 4)),
+                             job_dir / "masks")
+        return ["med_ddpm.sample", f"checkpoint={args['checkpoint']}", f"masks={masks}", *overrides,
+                f"output_dir={run_dir}", "progress=false"]
+    root = args["data_root"]
+    if "experiment=brats" in overrides:
+        root = args.get("brats_root") or brats_phantoms(Path(args["out"]) / "brats_phantoms")
+    return ["med_ddpm.train", f"data.root={root}", *overrides, f"output_dir={run_dir}", "train.progress=false"]
+
+
+def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
+    """``cold``: an empty cache folder. ``warm``: one untimed run first if the folder has no artifacts."""
+    if own["compile_cache"] == "cold":
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    elif not any((cache_dir / "compile").glob("*.bin")):
+        run(timed=False)
+
+
+def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float) -> tuple[int | None, float, str]:
+    """Run ``python -m <argv>`` with its caches in ``cache_dir``; (exit code or None on timeout, wall s, log tail)."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
+    start = time.time()
+    with log.open("w") as out:
+        try:
+            code = subprocess.run([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    return code, time.time() - start, log.read_text(errors="replace")[-STDERR_TAIL:]
+
+
+def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling's timings.json -> startup / compile / sampling / writing (seconds)."""
+    volumes = t["volume_s"]
+    steady = statistics.median(volumes[1:]) if len(volumes) > 1 else None
+    later = len(volumes) - 1
+    return {
+        "imports_s": t["run_start_s"], "cuda_init_s": round(t["device_ready_s"] - t["run_start_s"], 4),
+        "startup_s": t["model_ready_s"],
+        "first_volume_s": round(t["first_volume_done_s"] - t["model_ready_s"], 4),
+        "per_volume_s": round((t["sampling_done_s"] - t["first_volume_done_s"]) / later, 4) if later else None,
+        "compile_s": round(volumes[0] - steady, 4) if steady is not None else None,
+        "sampling_s": round(sum(volumes), 4), "volumes": t["volumes"],
+        "write_busy_s": t["write_busy_s"], "write_exposed_s": round(t["total_s"] - t["sampling_done_s"] + t["write_wait_s"], 4),
+    }
+
+
+def train_split(t: Mapping[str, Any]) -> dict[str, Any]:
+    """Training's timings.json -> start-up, first step, steady state, data wait."""
+    steady_s = t["ms_per_step"] / 1e3 if t.get("ms_per_step") is not None else None
+    return {
+        "startup_s": t["loop_start_s"], "first_step_s": t["first_step_s"], "time_to_first_step_s": t["first_step_done_s"],
+        "compile_s": round(t["first_step_s"] - steady_s, 4) if steady_s is not None else None,
+        **{k: t.get(k) for k in ("ms_per_step", "ms_per_volume", "data_wait_pct", "steady_steps", "peak_mem_gib",
+                                 "peak_reserved_gib", "memory_cap_gib")},
+    }
+
+
+def workload(argv: list[str], timings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The common row fields, from the command's composed config (what the CLI itself composes)."""
+    name, overrides = argv[0].removeprefix("med_ddpm."), [o for o in argv[1:] if not o.startswith("output_dir=")]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(name, overrides=[*overrides, "output_dir=."], return_hydra_config=True)
+    choices = cfg.hydra.runtime.choices
+    training = name == "train"
+    return {
+        "model": choices.get("model") if training else Path(str(cfg.checkpoint)).name,
+        "image_size": list(cfg.model.image_size) if training else (timings or {}).get("image_size"),
+        "batch_size": int(cfg.train.batch_size) if training else int(cfg.num_samples),
+        "sampler": None if training else str(cfg.sampler.name),
+        "steps": None if training else cfg.sampler.get("steps"),
+        "recipes": list((timings or {}).get("recipes") or cfg.get("recipe") or []),
+        "recipe_options": [],
+    }
+
+
+def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one job (after its cache preparation) and return its row, whatever happened."""
+    own, overrides = split_job(job)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    argv = command(own, overrides, args, job_dir)
+    cache_dir = Path(args.get("cache_dir") or Path(args["out"]) / "cache") / own["scenario"] / re.sub(
+        r"\W+", "_", " ".join(o for o in overrides if not o.startswith("train.max_steps")))[:120]
+    prepare_cache(own, cache_dir, lambda timed: spawn(argv, cache_dir, job_dir / "prime.log", timeout_s))
+    shutil.rmtree(job_dir / "run", ignore_errors=True)  # no stale timings.json from the warm-up run
+    code, wall, tail = spawn(argv, cache_dir, job_dir / "run.log", timeout_s)
+    timings_path = job_dir / "run" / TIMINGS_FILE
+    timings = json.loads(timings_path.read_text()) if code == 0 and timings_path.exists() else None
+    row = {"scenario": own["scenario"], "e2e": " ".join(job), "status": "ok", "message": "", "wall_s": round(wall, 3),
+           "total_s": round(wall, 3), "compile_cache": (timings or {}).get("compile_cache"), "masks": int(own.get("masks", 0)) or None,
+           "config": {"argv": argv}, "env": env_info(), **workload(argv, timings)}
+    if timings is None:
+        why = "timed out" if code is None else f"exit code {code}"
+        row.update(status="oom" if OOM_PATTERN.search(tail) else "error", message=f"{why}; log tail:\n{tail}")
+        return row
+    row.update(sample_split(timings) if own["scenario"] == "e2e_sample" else train_split(timings))
+    row["exit_s"] = round(wall - timings["total_s"], 4)  # interpreter teardown after the command's last mark
+    return row
+
+
+TABLE = (("compile_cache", "cache"), ("total_s", "total s"), ("startup_s", "start-up s"),
+         ("first_volume_s", "first mask s"), ("per_volume_s", "s per later mask"), ("write_exposed_s", "writing shown s"),
+         ("time_to_first_step_s", "to first step s"), ("ms_per_volume", "ms per volume"),
+         ("data_wait_pct", "data wait %"), ("peak_reserved_gib", "peak reserved GiB"))
+
+
+def report(rows: list[Mapping[str, Any]]) -> str:
+    """A markdown table of the e2e rows (one line each, failures with their first message line)."""
+    lines = ["| job | " + " | ".join(title for _, title in TABLE) + " | status |",
+             "| --- |" + " --- |" * (len(TABLE) + 1)]
+    for row in rows:
+        cells = ["" if row.get(key) is None else str(row[key]) for key, _ in TABLE]
+        status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row['message'].splitlines()[0]}"
+        lines.append(f"| `{row['e2e']}` | " + " | ".join(cells) + f" | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def done_jobs(out: Path) -> set[str]:
+    return {r.get("e2e") for r in read_rows(out)} if (out / RESULTS_FILE).exists() else set()
+
+
+def run(jobs: Iterator[Sequence[str]], args: Mapping[str, str]) -> int:
+    """Run the jobs without a row until ``budget_s`` is spent; returns how many are left."""
+    out = Path(args["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    budget, start, left, done = float(args.get("budget_s", "inf")), time.monotonic(), 0, done_jobs(out)
+    for n, job in enumerate(jobs):
+        if " ".join(job) in done or (args.get("only") and not re.search(args["only"], " ".join(job))):
+            continue
+        remaining = budget - (time.monotonic() - start)
+        if remaining <= 0:
+            left += 1
+            print(f"[todo] {' '.join(job)}")
+            continue
+        row = run_job(job, args, out / "jobs" / f"e2e_{n:02d}", timeout_s=min(remaining, JOB_LIMIT_S))
+        if row["message"].startswith("timed out") and remaining < JOB_LIMIT_S:
+            left += 1  # cut by the budget, not its own limit: no row, a rerun measures it
+            print(f"[cut] {' '.join(job)}: the time budget ran out; rerun to measure it")
+            continue
+        append_row(out / RESULTS_FILE, row)
+        print(json.dumps({k: row.get(k) for k in ("e2e", "status", "compile_cache", "total_s", "first_volume_s",
+                                                   "per_volume_s", "time_to_first_step_s", "ms_per_volume",
+                                                   "data_wait_pct")}))
+    if (out / RESULTS_FILE).exists():
+        atomic_write_text(out / "report.md", report([r for r in read_rows(out) if r.get("e2e")]))
+    print(f"e2e: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
+    return left

@@ -1,0 +1,109 @@
+"""bench.e2e: its jobs compose as the user's commands, the timing split is arithmetic on timings.json, and
+(slow) the real CLIs run end to end on a CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from bench.e2e import command, report, run, sample_split, split_job, train_split, workload
+from bench.ladder import e2e_args, e2e_ladder
+from bench.records import read_rows
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+WHOLE_HEAD = SHARED / "data" / "whole_head"
+CHECKPOINT = SHARED / "reference" / "wholehead_small_ckpt.pt"  # original Med-DDPM format, 32^3 architecture
+
+
+def args_for(tmp_path: Path) -> dict[str, str]:
+    return {"out": str(tmp_path), "data_root": str(WHOLE_HEAD), "checkpoint": str(CHECKPOINT),
+            "brats_root": str(tmp_path / "brats")}
+
+
+def test_every_e2e_job_is_a_command_that_composes(tmp_path):
+    """The ladder's e2e jobs are the README's commands: fast_train takes data.root (it did not) and trains
+    graphed at batch 2 without accumulation; fast_sample samples the masks it is given."""
+    rows = {}
+    for n, job in enumerate(e2e_ladder()):
+        own, overrides = split_job(job)
+        argv = command(own, overrides, args_for(tmp_path), tmp_path / f"job{n}")
+        rows[" ".join(job)] = workload(argv, None)
+    assert len(rows) == 6
+    train = next(r for k, r in rows.items() if "fast_train" in k)
+    assert train["model"] == "medddpm_whole_head" and train["batch_size"] == 2 and "compile_cudagraphs" in train["recipes"]
+    sample = next(r for k, r in rows.items() if "masks=32" in k)
+    assert sample["sampler"] == "dpm_solver_pp" and sample["steps"] == 100
+    assert len(list((tmp_path / "job2" / "masks").iterdir())) == 32
+    brats = next(r for k, r in rows.items() if "brats" in k)
+    assert brats["model"] == "medddpm_brats" and "checkpointing" in brats["recipes"]
+
+
+def test_the_split_is_read_off_the_marks():
+    sample = {"run_start_s": 2.0, "device_ready_s": 2.5, "model_ready_s": 4.0, "first_volume_done_s": 14.0,
+              "sampling_done_s": 20.0, "total_s": 20.5, "volume_s": [10.0, 2.0, 3.0, 2.5], "volumes": 4,
+              "write_busy_s": 2.4, "write_wait_s": 0.1}
+    split = sample_split(sample)
+    assert (split["imports_s"], split["cuda_init_s"], split["startup_s"]) == (2.0, 0.5, 4.0)
+    assert (split["first_volume_s"], split["per_volume_s"], split["compile_s"]) == (10.0, 2.0, 7.5)
+    assert split["write_exposed_s"] == 0.6 and split["sampling_s"] == 17.5
+    train = train_split({"loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0, "ms_per_step": 120.0,
+                         "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57})
+    assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
+
+
+def test_the_report_has_a_line_per_row_and_names_failures():
+    rows = [{"e2e": "scenario=e2e_sample masks=4 compile_cache=warm", "status": "ok", "message": "", "total_s": 14.2,
+             "per_volume_s": 1.95, "compile_cache": "warm"},
+            {"e2e": "scenario=e2e_train compile_cache=cold", "status": "oom", "message": "exit code 1; log tail:\n..."}]
+    lines = report(rows).splitlines()
+    assert len(lines) == 4 and "| warm | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
+    assert lines[3].endswith("| oom: exit code 1; log tail: |")
+
+
+def test_a_job_without_its_keys_and_bad_arguments_are_refused():
+    with pytest.raises(SystemExit, match="compile_cache=cold"):
+        split_job(["scenario=e2e_sample", "experiment=fast_sample"])
+    with pytest.raises(SystemExit, match="preset=e2e needs e2e.data_root=DIR"):
+        e2e_args(OmegaConf.create({"out": "x", "budget_s": None, "e2e": {"data_root": None}}))
+    args = e2e_args(OmegaConf.create({"out": "x", "budget_s": 60, "e2e": {"data_root": "d", "checkpoint": None}}))
+    assert args == {"out": "x", "data_root": "d", "budget_s": "60"}
+
+
+@pytest.mark.slow
+def test_the_real_clis_run_and_leave_rows(tmp_path):
+    """Sampling 3 masks (32^3, 2 DDIM steps) and 6 training steps of a 2-level 16^3 net, in fresh processes."""
+    jobs = [["scenario=e2e_sample", "masks=3", "compile_cache=cold", "image_size=[32,32,32]", "sampler=ddim",
+             "sampler.steps=2"],
+            ["scenario=e2e_train", "compile_cache=cold", "experiment=whole_head", "model=tiny",
+             "model.image_size=[16,16,16]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=6",
+             "data.num_workers=1"]]
+    assert run(iter(jobs), args_for(tmp_path)) == 0
+    sample, train = read_rows(tmp_path)
+    assert sample["status"] == train["status"] == "ok", (sample["message"], train["message"])
+    assert sample["volumes"] == 3 and sample["image_size"] == [32, 32, 32] and sample["compile_cache"] == "off"
+    assert 0 < sample["startup_s"] < sample["total_s"] and sample["per_volume_s"] > 0 and sample["env"]["torch"]
+    assert len(list((tmp_path / "jobs" / "e2e_00" / "run").glob("mask_*.nii.gz"))) == 3
+    assert train["steady_steps"] == 3 and train["ms_per_volume"] > 0 and 0 <= train["data_wait_pct"] < 100
+    timings = json.loads((tmp_path / "jobs" / "e2e_01" / "run" / "timings.json").read_text())
+    assert timings["steps"] == 6 and timings["volumes_per_step"] == 2
+    assert run(iter(jobs), args_for(tmp_path)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
+    table = (tmp_path / "report.md").read_text().splitlines()
+    assert len(table) == 4 and f"| {sample['total_s']} |" in table[2] and table[3].endswith("| ok |")
+
+
+@pytest.mark.slow
+def test_a_warm_compile_cache_reaches_the_training_loop(tmp_path):
+    """Cold, then warm: the second training run loads the artifacts the first saved after its first step."""
+    train = ["scenario=e2e_train", "experiment=whole_head", "model=tiny", "model.image_size=[16,16,16]",
+             "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=4", "train.grad_accum=1",
+             "data.num_workers=0", "recipe=[compile]"]
+    assert run(iter([[*train, "compile_cache=cold"], [*train, "compile_cache=warm"]]), args_for(tmp_path)) == 0
+    cold, warm = read_rows(tmp_path)
+    assert (cold["status"], warm["status"]) == ("ok", "ok"), (cold["message"], warm["message"])
+    assert (cold["compile_cache"], warm["compile_cache"]) == ("cold", "warm")
+    assert len(list((tmp_path / "cache").rglob("train-*.bin"))) == 1
+    assert not (tmp_path / "jobs" / "e2e_01" / "prime.log").exists()  # the cold job's cache was reused

@@ -1,0 +1,90 @@
+"""The project's compile cache: one file per (torch, GPU, recipes, workload); cold, then warm in a new process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from med_ddpm.compile_cache import CompileCache, cache_status
+from optim import RecipeStack
+from optim.compile import Compile
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+def stack(mode: str = "default") -> RecipeStack:
+    return RecipeStack([Compile(mode=mode)])
+
+
+def test_no_compile_recipe_or_no_folder_means_no_cache(tmp_path):
+    assert CompileCache.for_run(tmp_path, "train", RecipeStack([]), CPU, {}) is None
+    assert CompileCache.for_run(None, "train", stack(), CPU, {}) is None
+    assert cache_status(None) == "off"
+
+
+def test_the_file_is_keyed_by_recipes_options_and_workload(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    one = CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1})
+    assert one.path == CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1}).path
+    others = [CompileCache.for_run(tmp_path, "sample", stack("max-autotune"), CPU, {"batch": 1}),
+              CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 2})]
+    assert len({one.path, *(c.path for c in others)}) == 3 and one.path.parent == tmp_path
+    assert one.key["torch"] == torch.__version__ and one.key["device"] == "cpu"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
+    CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1})
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_a_missing_or_unreadable_file_is_a_cold_start(tmp_path):
+    cache = CompileCache(tmp_path, "train", {"k": 1})
+    assert cache.load() == "cold"
+    cache.path.write_bytes(b"not torch's artifacts")
+    assert cache.load() == "cold" and cache.status == "cold"
+
+
+def test_the_configs_put_the_cache_under_the_cache_dir(monkeypatch):
+    monkeypatch.setenv("MED_DDPM_CACHE_DIR", "/somewhere")
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        for name in ("train", "sample"):
+            assert compose(name, overrides=["output_dir=.", "checkpoint=x"] if name == "sample"
+                           else ["output_dir=."]).paths.compile_cache == "/somewhere/compile"
+
+
+SCRIPT = """
+import sys, torch
+from med_ddpm.compile_cache import CompileCache
+from optim import RecipeStack
+from optim.compile import Compile
+stack = RecipeStack([Compile()])
+cache = CompileCache.for_run(sys.argv[1], "test", stack, torch.device("cpu"), {"shape": [4, 8]})
+status = cache.load()
+net = stack.prepare_model(torch.nn.Linear(8, 8))
+net(torch.randn(4, 8))
+print(status, cache.save() is not None)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_starts_warm(tmp_path):
+    """Two fresh interpreters: the first compiles and saves, the second loads the artifacts."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    runs = [subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                           cwd=REPO, timeout=300, env=env) for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["cold", "True"], ["warm", "False"]], runs[0].stderr[-2000:]
+    assert len(list(tmp_path.glob("test-*.bin"))) == 1 and (tmp_path / "inductor").is_dir()
+
+
+@pytest.mark.slow
+def test_the_commands_do_not_import_inductor_without_a_compile_recipe():
+    """Start-up: importing torch's compiler stack takes seconds; an eager run never pays it."""
+    probe = "import sys, med_ddpm.train, med_ddpm.sample; print('torch._inductor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]

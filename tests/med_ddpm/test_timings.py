@@ -1,0 +1,45 @@
+"""timings.json: marks from process start, the first step apart from the steady state, the data-wait share."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from med_ddpm.timings import LoopTimer, RunClock, TimedIterator, process_start_time
+
+
+def slow_batches(wait_s: float):
+    while True:
+        time.sleep(wait_s)
+        yield {}
+
+
+def test_the_loop_timer_splits_first_step_steady_state_and_data_wait(tmp_path):
+    batches = TimedIterator(slow_batches(0.02))
+    timer = LoopTimer(RunClock("train"), torch.device("cpu"), batches, volumes_per_step=2)
+    first = [None]
+    for step in range(1, 7):
+        next(batches)
+        time.sleep(0.06 if step == 1 else 0.02)  # the first step "compiles"
+        first.append(timer.step_done(last=step == 6))
+    assert first[1:] == [True] + [False] * 5
+    timings = json.loads(timer.write(tmp_path, compile_cache="off").read_text())
+    assert timings["steady_steps"] == 3 and timings["steps"] == 6 and timings["compile_cache"] == "off"
+    assert timings["first_step_s"] >= 0.075 and timings["ms_per_step"] == pytest.approx(40, rel=0.5)
+    assert timings["ms_per_volume"] == pytest.approx(timings["ms_per_step"] / 2, rel=1e-3)
+    assert timings["data_wait_pct"] == pytest.approx(50, abs=20)
+    assert timings["loop_start_s"] <= timings["first_step_done_s"] <= timings["total_s"]
+
+
+def test_a_loop_too_short_for_a_steady_state_reports_none(tmp_path):
+    timer = LoopTimer(RunClock("train"), torch.device("cpu"), TimedIterator(slow_batches(0)), volumes_per_step=1)
+    for step in range(1, 4):
+        timer.step_done(last=step == 3)
+    assert "ms_per_volume" not in json.loads(timer.write(tmp_path).read_text())
+
+
+def test_the_process_started_before_now():
+    assert 0 < time.time() - process_start_time() < 3600
