@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -38,10 +39,13 @@ class _OutputMap(nn.Module):
 
 
 class _Control(Recipe):
-    """A test-only recipe: never exact, labelled with its parameter."""
+    """A test-only recipe: never exact, labelled with its parameters (the dataclass fields)."""
 
     exact: ClassVar[bool] = False
     tolerance: ClassVar[dict[str, float]] = {"rtol": float("inf"), "atol": float("inf")}
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @property
     def label(self) -> str:
@@ -51,32 +55,25 @@ class _Control(Recipe):
         return {**super().describe(), "label": self.label, "negative_control": True}
 
 
+@dataclass
 class EpsScale(_Control):
     """ε·``factor``: over- (factor > 1) or under-predicting the noise by a fixed fraction."""
 
-    name = "eps_scale"
-
-    def __init__(self, factor: float = 1.05):
-        self.factor = float(factor)
-
-    def options(self) -> dict[str, Any]:
-        return {"factor": self.factor}
+    name: ClassVar[str] = "eps_scale"
+    factor: float = 1.05
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return _OutputMap(model, lambda eps: eps * self.factor)
 
 
+@dataclass
 class EpsNoise(_Control):
     """ε + σ·z, z ~ N(0, I) drawn fresh on every call from a generator seeded once."""
 
-    name = "eps_noise"
-
-    def __init__(self, sigma: float = 0.05, seed: int = 0):
-        self.sigma, self.seed = float(sigma), int(seed)
-        self._generator: torch.Generator | None = None
-
-    def options(self) -> dict[str, Any]:
-        return {"sigma": self.sigma, "seed": self.seed}
+    name: ClassVar[str] = "eps_noise"
+    sigma: float = 0.05
+    seed: int = 0
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def _noise(self, eps: torch.Tensor) -> torch.Tensor:
         if self._generator is None or self._generator.device != eps.device:
@@ -88,16 +85,12 @@ class EpsNoise(_Control):
         return _OutputMap(model, self._noise)
 
 
+@dataclass
 class SkipGroupNorm(_Control):
     """The ``index``-th GroupNorm of the network (in ``named_modules`` order) replaced by the identity."""
 
-    name = "skip_groupnorm"
-
-    def __init__(self, index: int = 0):
-        self.index = int(index)
-
-    def options(self) -> dict[str, Any]:
-        return {"index": self.index}
+    name: ClassVar[str] = "skip_groupnorm"
+    index: int = 0
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         norms = [name for name, m in model.named_modules() if isinstance(m, nn.GroupNorm)]
