@@ -192,7 +192,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     cfg = _as_dict(cfg)
     device, seed = torch.device(device), int(cfg.get("seed", 0))
     q = {**load_thresholds(), **(cfg.get("quality") or {})}
-    model, schedule = _gate_model(cfg, checkpoint, seed)
+    model, schedule = gate_model(cfg, checkpoint, seed)
     model, schedule = model.to(device).eval(), schedule.to(device)
     variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
     n = max(int(n_samples or 0), int(q["n_samples"]))
@@ -273,7 +273,7 @@ def _as_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
             for k in CONFIG_KEYS if k in cfg}
 
 
-def _gate_model(cfg: Mapping[str, Any], checkpoint: str | None, seed: int):
+def gate_model(cfg: Mapping[str, Any], checkpoint: str | None, seed: int):
     """(model, schedule) from a checkpoint, or the config's architecture with a seeded init."""
     from med_ddpm.checkpoint import load_checkpoint
     from med_ddpm.diffusion import NoiseSchedule
