@@ -36,6 +36,7 @@ from med_ddpm.quality import fixed_noise
 from med_ddpm.samplers import DDPMSampler, sample
 from med_ddpm.utils import atomic_write_text, resolve_device
 from med_ddpm.volume_io import save_montage_png
+from optim import RecipeStack
 
 HELD_OUT_SEED = 10_000  # phantoms of experiment=quality_model come from seed 0 (data.num_volumes of them)
 
@@ -83,7 +84,8 @@ def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, devi
     sampler = DDPMSampler(schedule)
     sampler.set_timesteps(schedule.num_train_timesteps)
     noise = fixed_noise((n, model.out_channels, *size), schedule.num_train_timesteps, seed=0, device=device)
-    samples = sample(model, sampler, cond, x_T=noise.x_T, step_noise=noise.step_noise, progress=True).float().cpu()
+    with RecipeStack([]).session():  # strict FP32: cuDNN's default TF32 convolutions off
+        samples = sample(model, sampler, cond, x_T=noise.x_T, step_noise=noise.step_noise, progress=True).float().cpu()
     per_mask = n // n_masks
     shown = min(4, n_masks)
     save_montage(images[:shown], samples[::per_mask][:shown], ([f"phantom {k}" for k in range(shown)],
