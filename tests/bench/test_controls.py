@@ -113,3 +113,18 @@ def test_quality_ladder_needs_a_checkpoint():
         list(quality_ladder(DEFAULT_BEST, None))
 
 
+
+
+@pytest.mark.slow
+def test_a_control_row_through_the_bench_worker(tmp_path):
+    """What the quality ladder's control jobs do, on the smoke model: a subprocess job whose row fails the gate."""
+    from bench.worker import run_job
+
+    job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=4",
+                       "sampler.steps=4", "recipe=[]", "+control=eps_scale", "recipe.eps_scale.factor=1.05",
+                       "quality.trajectory=false"], tmp_path)
+    row = run_job(job, tmp_path / "job", timeout_s=240)
+    assert row["status"] == "ok", row["message"]
+    assert recipe_label(row) == "eps_scale [eps_scale.factor=1.05]"
+    assert row["quality"]["verdict"] == "fail" and row["quality"]["checks"]["eps_scale_bias"]["status"] == "fail"
+    assert row["quality"]["min_detectable_eps_bias"] <= 0.02
