@@ -144,8 +144,12 @@ class _PerSampleMetric(VolumeMetric):
             values = values[mask.flatten(1).any(1)]
         self._values.append(values.detach().double().cpu())
 
+    def per_sample(self) -> torch.Tensor:
+        """The (N,) float64 values of every sample seen so far (a region's empty samples left out)."""
+        return torch.cat(self._values) if self._values else torch.empty(0, dtype=torch.float64)
+
     def compute(self) -> float:
-        values = torch.cat(self._values) if self._values else torch.empty(0, dtype=torch.float64)
+        values = self.per_sample()
         if values.numel() == 0:
             return math.nan
         return float({"mean": values.mean, "max": values.max, "sum": values.sum}[self.reduction]())

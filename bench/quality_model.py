@@ -1,0 +1,137 @@
+"""The quality model's card: its validation-loss curve, its fidelity to the phantom distribution, its samples.
+
+``experiment=quality_model`` trains the network every GPU quality gate uses. Whether that network is fit for
+the purpose is a measurement, not a claim, so this command writes one from a training run's folder:
+
+* the loss curve: the ε-MSE of every saved checkpoint (``checkpoints/step_*.pt``), EMA and raw weights, on
+  held-out phantoms (seed ``10_000 + k``, never trained on) with fixed t and ε per phantom, so points of the
+  curve differ only by the weights;
+* fidelity: N = ``n`` DDPM-250 samples of the final EMA weights (strict FP32, ``n_masks`` held-out phantom masks
+  x n / n_masks noise draws) against the n held-out phantom images: FID / KID / MMD / histogram W1 with
+  permutation p-values and the MS-SSIM diversity of both sets (:mod:`med_ddpm.evaluate`; random-weight
+  features: relative numbers);
+* ``samples.png``: phantom images (top) and samples for their masks (bottom), and ``sample_mask.png``: the
+  first sample with its mask overlaid.
+
+Example (after ``python -m med_ddpm.train experiment=quality_model output_dir=runs/quality_model``):
+    python -m bench.quality_model run=runs/quality_model out=bench/results/h200/quality/model
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
+from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.evaluate import distribution_metrics, diversity, save_montage
+from med_ddpm.features import RandomConv3dFeatures
+from med_ddpm.gate import json_safe
+from med_ddpm.phantoms import SyntheticPhantoms
+from med_ddpm.quality import fixed_noise
+from med_ddpm.samplers import DDPMSampler, sample
+from med_ddpm.utils import atomic_write_text, resolve_device
+from med_ddpm.volume_io import save_montage_png
+from optim import RecipeStack
+
+HELD_OUT_SEED = 10_000  # phantoms of experiment=quality_model come from seed 0 (data.num_volumes of them)
+
+
+def held_out_phantoms(n: int, image_size: tuple[int, ...], variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images, conds) of ``n`` phantoms the model never saw."""
+    phantoms = SyntheticPhantoms(n, image_size, variant=variant, seed=HELD_OUT_SEED)
+    items = [phantoms[i] for i in range(n)]
+    return torch.stack([it["image"] for it in items]), torch.stack([it["cond"] for it in items])
+
+
+@torch.no_grad()
+def validation_loss(model, schedule, images: torch.Tensor, conds: torch.Tensor, device: torch.device) -> float:
+    """Mean ε-MSE with t and ε fixed per phantom (one generator, seeded once): comparable across checkpoints."""
+    g = torch.Generator().manual_seed(HELD_OUT_SEED)
+    t = torch.randint(0, schedule.num_train_timesteps, (len(images),), generator=g)
+    eps = torch.randn(images.shape, generator=g)
+    x_t = schedule.add_noise(images.to(device), eps.to(device), t.to(device))
+    pred = model(torch.cat([x_t, conds.to(device)], 1), t.to(device))
+    return float((pred.float() - eps.to(device)).square().mean())
+
+
+def loss_curve(run: Path, images, conds, device) -> list[dict[str, Any]]:
+    """One point per saved checkpoint: step, EMA and raw-weight validation loss."""
+    points = []
+    for path in sorted((run / "checkpoints").glob("step_*.pt")):
+        point = {"checkpoint": path.name}
+        for weights in ("ema", "model"):
+            loaded = load_checkpoint(path, weights=weights)
+            point["step"] = loaded.step
+            model, schedule = loaded.model.to(device).eval(), loaded.schedule.to(device)
+            point[f"val_loss_{weights}"] = validation_loss(model, schedule, images, conds, device)
+        points.append(point)
+    return points
+
+
+def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, device: torch.device,
+             out: Path) -> dict[str, Any]:
+    """DDPM samples of the EMA weights for held-out masks vs the held-out phantom images; PNGs."""
+    loaded = load_checkpoint(checkpoint, weights="ema")
+    model, schedule = loaded.model.to(device).eval(), loaded.schedule.to(device)
+    variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
+    images, conds = held_out_phantoms(n, size, variant)
+    cond = conds[:n_masks].repeat_interleave(n // n_masks, dim=0).to(device)
+    sampler = DDPMSampler(schedule)
+    sampler.set_timesteps(schedule.num_train_timesteps)
+    noise = fixed_noise((n, model.out_channels, *size), schedule.num_train_timesteps, seed=0, device=device)
+    with RecipeStack([]).session():  # strict FP32: cuDNN's default TF32 convolutions off
+        samples = sample(model, sampler, cond, x_T=noise.x_T, step_noise=noise.step_noise, progress=True).float().cpu()
+    per_mask = n // n_masks
+    shown = min(4, n_masks)
+    save_montage(images[:shown], samples[::per_mask][:shown], ([f"phantom {k}" for k in range(shown)],
+                 [f"mask {k}" for k in range(shown)]), out / "samples.png")
+    save_montage_png(samples[0], cond[0].cpu(), out / "sample_mask.png", title="DDPM-250 sample, mask 0")
+    return {"n": n, "n_masks": n_masks, "sampler": "DDPM-250 (strict FP32)",
+            "distribution": distribution_metrics(images, samples, RandomConv3dFeatures(), 1000, progress=False),
+            "diversity": {"samples_same_mask": diversity(samples[:per_mask], 64, 7), "phantoms": diversity(images, 64, 7)},
+            "extractor": RandomConv3dFeatures().describe()}
+
+
+def summary_markdown(s: dict[str, Any]) -> str:
+    lines = [f"# The quality model ({s['checkpoint']}, step {s['step']})", "", "## Validation loss (held-out phantoms)",
+             "", "| step | EMA | raw weights |", "| --- | --- | --- |"]
+    lines += [f"| {p['step']} | {p['val_loss_ema']:.5f} | {p['val_loss_model']:.5f} |" for p in s["loss_curve"]]
+    f = s["fidelity"]
+    lines += ["", f"## Fidelity: {f['n']} {f['sampler']} samples vs {f['n']} held-out phantoms", "",
+              f"Features `{f['extractor']['name']}`: random weights, relative numbers only.", "",
+              "| metric | value | p-value (phantoms vs samples, permutation) |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v['value']:.4g} | {v.get('p_value', '')} |" for k, v in f["distribution"].items()]
+    lines += [f"| diversity, {k} (mean pairwise MS-SSIM) | {v:.4g} | |" for k, v in f["diversity"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    if "run" not in args or "out" not in args or len(args) != len(argv):
+        raise SystemExit("bench.quality_model: usage: run=TRAIN_OUTPUT_DIR out=DIR [n=32] [n_masks=8] [device=auto]")
+    run, out = Path(args["run"]), Path(args["out"])
+    last = run / "checkpoints" / "last.pt"
+    if not last.is_file():
+        raise SystemExit(f"bench.quality_model: {last} not found; run=... must be a med_ddpm.train output_dir")
+    device = resolve_device(args.get("device", "auto"))
+    n, n_masks = int(args.get("n", 32)), int(args.get("n_masks", 8))
+    ckpt = read_checkpoint(last)
+    size = tuple(ckpt["config"]["model"]["image_size"])
+    images, conds = held_out_phantoms(16, size, VARIANT_BY_IMAGE_CHANNELS[ckpt["config"]["model"]["out_channels"]])
+    summary = {"checkpoint": str(last), "step": int(ckpt["step"]),
+               "train": {k: ckpt["config"].get(k) for k in ("seed", "train", "data", "model")},
+               "loss_curve": loss_curve(run, images, conds, device),
+               "fidelity": fidelity(last, size, n, n_masks, device, out)}
+    atomic_write_text(out / "summary.json", json.dumps(json_safe(summary), indent=2) + "\n")
+    atomic_write_text(out / "summary.md", summary_markdown(summary))
+    print(summary_markdown(summary), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
