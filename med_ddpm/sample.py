@@ -27,7 +27,16 @@ from omegaconf import DictConfig, OmegaConf
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition
-from med_ddpm.errors import CheckpointError, ConfigError, DataError, OutputError, check_choice, check_int, check_sampler, check_size
+from med_ddpm.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    OutputError,
+    check_choice,
+    check_int,
+    check_sampler,
+    check_size,
+)
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.utils import seed_everything

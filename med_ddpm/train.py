@@ -38,7 +38,15 @@ from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
-from med_ddpm.errors import CheckpointError, ConfigError, OutputError, check_int, check_number, check_sampler, check_size
+from med_ddpm.errors import (
+    CheckpointError,
+    ConfigError,
+    OutputError,
+    check_int,
+    check_number,
+    check_sampler,
+    check_size,
+)
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.tracking import Tracker, build_tracker
