@@ -70,19 +70,23 @@ def missing_config_line(err: MissingConfigException) -> str:
     return f"{group}={name}: no configs/{group}/{name}.yaml; valid names: {', '.join(names)}"
 
 
-def os_error_line(err: OSError) -> str | None:
-    """``<path>: <strerror>; <fix>`` for an OSError a user can fix, else None (a bug)."""
+def os_error_line(err: OSError, where: str = "output") -> str | None:
+    """``<path>: <strerror>; <fix>`` for an OSError a user can fix, else None (a bug).
+
+    ``where`` names the thing when the error has no file name (a full disk fails a write, not an open).
+    """
     fix = OS_FIXES.get(err.errno) if err.errno is not None else None
     if fix is None and isinstance(err, FileNotFoundError | PermissionError):
         fix = "check the path"  # raised by our own code with a message and no errno
     if fix is None:
         return None
-    thing = err.filename if err.filename is not None else "output"
-    problem = err.strerror or str(err)
-    return f"{thing}: {problem}; {fix}"
+    if err.errno is None:  # our own message names the file already
+        return f"{_one_line(str(err))}; {fix}"
+    thing = err.filename if err.filename is not None else where
+    return f"{thing}: {err.strerror or err}; {fix}"
 
 
-def user_error_line(err: BaseException) -> str | None:
+def user_error_line(err: BaseException, where: str = "output") -> str | None:
     """The one line a user error prints (without ``error: ``), or None when ``err`` is a bug."""
     if isinstance(err, UserError | UnsupportedRecipeError | RecipeConflictError):
         return _one_line(str(err))
@@ -95,7 +99,7 @@ def user_error_line(err: BaseException) -> str | None:
         key = err.full_key or "option"
         return f"{key}: has no value; pass {key}=..."
     if isinstance(err, OSError):
-        return os_error_line(err)
+        return os_error_line(err, where)
     return None
 
 
@@ -107,9 +111,9 @@ def full_error() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1" and not os.environ.get(_SET_BY_RUN)
 
 
-def _report(err: Exception) -> None:
+def _report(err: Exception, where: str = "output") -> None:
     """Exit with one line for a user error; return (the caller re-raises) for a bug or under HYDRA_FULL_ERROR=1."""
-    line = None if full_error() else user_error_line(err)
+    line = None if full_error() else user_error_line(err, where)
     if line is not None:
         print(f"error: {line}", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
@@ -123,7 +127,8 @@ def entry(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
         try:
             return task(cfg)
         except Exception as err:
-            _report(err)
+            out = OmegaConf.select(cfg, "output_dir", throw_on_missing=False)
+            _report(err, f"output_dir={out}" if out and not OmegaConf.is_missing(cfg, "output_dir") else "output")
             raise
 
     return wrapped

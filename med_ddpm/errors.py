@@ -82,13 +82,30 @@ def check_size(cfg: DictConfig, key: str, optional: bool = False) -> list[int] |
     return items
 
 
+def check_device(cfg: DictConfig) -> None:
+    """``device`` must name a device this machine has (``auto`` picks CUDA when there is one)."""
+    import torch
+
+    value = str(_value(cfg, "device"))
+    try:
+        kind = "auto" if value == "auto" else torch.device(value).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={value}: unknown device; pass device=auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={value}: no CUDA GPU is visible on this machine; pass device=auto or device=cpu")
+
+
 @contextmanager
 def as_config_error(key: str, fix: str) -> Iterator[None]:
     """Turn a ``ValueError`` raised while building an object from config node ``key`` into a
     :class:`ConfigError` naming that node (constructors check their own arguments)."""
+    from optim.base import RecipeConflictError  # reported as it is (med_ddpm.cli)
+
     try:
         yield
-    except UserError:
+    except (UserError, RecipeConflictError):
         raise
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{key}: {err}; {fix}") from err

@@ -33,6 +33,7 @@ from med_ddpm.errors import (
     DataError,
     OutputError,
     check_choice,
+    check_device,
     check_int,
     check_sampler,
     check_size,
@@ -151,6 +152,7 @@ def check_options(cfg: DictConfig) -> None:
     check_int(cfg, "seed", 0)
     check_choice(cfg, "weights", ("ema", "model"))
     check_size(cfg, "image_size", optional=True)
+    check_device(cfg)
     # the options only: the steps are checked against the checkpoint's own schedule when it is loaded
     check_sampler(OmegaConf.merge(cfg.sampler, {"steps": None}), cfg.diffusion)
 

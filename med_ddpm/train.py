@@ -42,6 +42,8 @@ from med_ddpm.errors import (
     CheckpointError,
     ConfigError,
     OutputError,
+    as_config_error,
+    check_device,
     check_int,
     check_number,
     check_sampler,
@@ -378,6 +380,7 @@ def check_options(cfg: DictConfig) -> None:
     if "log_every" in cfg.logger:
         check_int(cfg, "logger.log_every", 1)
     check_size(cfg, "model.image_size")
+    check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion)
 
 
@@ -394,7 +397,9 @@ def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
     check_output_dir(cli.output_dir(cfg), cfg.resume)
     check_options(cfg)
-    summary = fit(build(cfg))
+    with as_config_error("options", "check the option it names (python -m med_ddpm.train --cfg job lists them)"):
+        job = build(cfg)  # the data, model and recipe constructors check their own options
+    summary = fit(job)
     if distributed.is_main():
         log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
                  summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
