@@ -36,16 +36,22 @@ test-slow: $(STAMP) ## run the slow tests
 lint: $(STAMP) ## ruff check
 	$(BIN)/ruff check med_ddpm optim bench tests
 
-demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report
+demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report (reruns retrain)
+	@# train and sample refuse an output_dir holding an earlier run's results: a rerun starts them afresh;
+	@# the sweep keeps earlier runs' rows and its report shows the latest run's (bench.records run ids)
+	rm -rf $(DEMO_DIR)/train $(DEMO_DIR)/samples
 	$(BIN)/python -m med_ddpm.train experiment=smoke output_dir=$(DEMO_DIR)/train
 	$(BIN)/python -m med_ddpm.sample experiment=smoke checkpoint=$(DEMO_DIR)/train/checkpoints/last.pt output_dir=$(DEMO_DIR)/samples
 	$(MAKE) --no-print-directory bench-smoke SWEEP_DIR=$(DEMO_DIR)/bench
 	@echo "demo outputs: $(DEMO_DIR)/samples (NIfTI + PNG), $(DEMO_DIR)/bench/report.md"
 
-bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute), then its report
+bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute), then its report (latest run)
 	$(BIN)/python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[channels_last_3d],[amp_bf16]' hydra.sweep.dir=$(SWEEP_DIR)
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 	@cat $(SWEEP_DIR)/report.md
+
+stamp: $(STAMP) ## record git's commit in .provenance.json for a copy of this tree without .git (a GPU machine)
+	$(BIN)/python -m bench.records stamp
 
 bench: $(STAMP) ## the GPU ladder (whole-head 128^3 train/denoise/sample x recipes x batch; LADDER_ARGS='preset=core budget_s=540')
 	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)
@@ -60,4 +66,4 @@ report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=.
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache
 
-.PHONY: help install test test-gpu test-slow lint demo bench-smoke bench profile report clean
+.PHONY: help install test test-gpu test-slow lint demo bench-smoke stamp bench profile report clean
