@@ -1,5 +1,8 @@
 """The misuse corpus: one row per user slip, with the exit status and the one line it must give.
 
+The rows that only differ by their overrides are the table ``tests/misuse.yaml``; the slips that
+need a file, a directory or a fault set up first are the test functions here.
+
 A user error ends in exit status 2 and ONE stderr line ``error: <thing>: <problem>; <fix>``
 (med_ddpm.cli); nothing runs with a silently changed value. Most rows compose the real config
 and call the real entry function in-process (fast); the rows at the end run real subprocesses
@@ -14,12 +17,13 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import nibabel as nib
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
@@ -34,21 +38,27 @@ CONFIGS = str(REPO / "configs")
 TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "device=cpu"]
 QUIET = {"train": ["train.progress=false", "train.grad_accum=1"], "sample": ["progress=false"],
          "bench": ["experiment=bench_smoke"]}
-RECIPE_NAMES = r"valid names: amp_bf16, amp_fp16, .*tf32$"
 UNSUPPORTED = pytest.mark.xfail(strict=False, reason="needs the recipes branch (GPU-only recipes refused on a CPU)")
 
 
 @dataclass
 class Slip:
-    """One row: overrides for a command, and the pattern of the line after ``error: ``."""
+    """One row of tests/misuse.yaml: a command, its overrides, the exit status and the pattern of the
+    line after ``error: ``."""
 
+    command: str  # train | sample | bench
     id: str
-    overrides: list[str]
-    pattern: str
-    marks: list = field(default_factory=list)
+    overrides: str  # space-separated
+    error: str
+    status: int = 2
+    cpu_only: bool = False
 
     def param(self):
-        return pytest.param(self, id=self.id, marks=self.marks)
+        marks = [pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")] if self.cpu_only else []
+        return pytest.param(self, id=f"{self.command}-{self.id}", marks=marks)
+
+
+SLIPS = [Slip(**row) for row in yaml.safe_load((Path(__file__).with_name("misuse.yaml")).read_text())]
 
 
 def compose_cfg(command: str, overrides: list[str], out: Path | None = None):
@@ -58,76 +68,29 @@ def compose_cfg(command: str, overrides: list[str], out: Path | None = None):
         return compose(config_name=name, overrides=[*TINY, *QUIET[command], *extra, *overrides])
 
 
-def refusal(capsys, call, *args) -> str:
-    """Call ``call(*args)``; it must exit with status 2 and print one ``error:`` line; return the line."""
+def refusal(capsys, call, *args, status: int = 2) -> str:
+    """Call ``call(*args)``; it must exit with ``status`` and print one ``error:`` line; return the line."""
     with pytest.raises(SystemExit) as exit_:
         call(*args)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2, lines
+    assert exit_.value.code == status, lines
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0].removeprefix("error: ")
 
 
-def composed_or_refused(capsys, command: str, overrides: list[str], out: Path, check) -> str:
+def composed_or_refused(capsys, slip: Slip, overrides: list[str], out: Path) -> str:
     """The line for a slip caught either by Hydra's composition or by the command's own check."""
     try:
-        cfg = compose_cfg(command, overrides, out)
-    except HydraException as err:  # what cli.run reports for an error before the task starts
+        cfg = compose_cfg(slip.command, overrides, out)
+    except HydraException as err:  # what cli.run reports (exit status 2) for an error before the task starts
         line = cli.user_error_line(err)
-        assert line is not None and "\n" not in line, str(err)
+        assert line is not None and "\n" not in line and slip.status == 2, str(err)
         return line
-    return refusal(capsys, check, cfg)
+    check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options)}[slip.command]
+    return refusal(capsys, check, cfg, status=slip.status)
 
 
 # ---------------------------------------------------------------------------------------------- train
-TRAIN = [
-    Slip("steps-zero", ["sampler=ddim", "sampler.steps=0"],
-         r"^sampler\.steps=0: must be in \[1, 250\] .*; pass sampler\.steps=N with 1 <= N <= 250$"),
-    Slip("steps-negative", ["sampler=ddim", "sampler.steps=-3"], r"^sampler\.steps=-3: must be in \[1, 250\]"),
-    Slip("steps-too-many", ["sampler=ddim", "sampler.steps=500"], r"^sampler\.steps=500: must be in \[1, 250\]"),
-    Slip("steps-ddpm-fewer", ["sampler=ddpm", "sampler.steps=50"],
-         r"^sampler\.steps=50: DDPM samples all 250 .*; pass sampler\.steps=250, or sampler=ddim"),
-    Slip("steps-not-a-number", ["sampler=ddim", "sampler.steps=abc"], r"^sampler: .*; see configs/sampler/ddim\.yaml"),
-    Slip("eta-negative", ["sampler=ddim", "sampler.eta=-1"], r"^sampler: sampler\.eta must be >= 0.*configs/sampler"),
-    Slip("save-every-negative", ["train.save_every=-1"], r"^train\.save_every=-1: must be an integer >= 0 \(0: only"),
-    Slip("max-steps-zero", ["train.max_steps=0"], r"^train\.max_steps=0: must be an integer >= 1; pass train\.max_steps=N"),
-    Slip("max-steps-text", ["train.max_steps=abc"], r"^train\.max_steps='abc': must be an integer >= 1"),
-    Slip("max-steps-float", ["train.max_steps=2.5"], r"^train\.max_steps=2\.5: must be an integer >= 1"),
-    Slip("batch-zero", ["train.batch_size=0"], r"^train\.batch_size=0: must be an integer >= 1"),
-    Slip("grad-accum-zero", ["train.grad_accum=0"], r"^train\.grad_accum=0: must be an integer >= 1"),
-    Slip("ema-every-zero", ["train.ema_every=0"], r"^train\.ema_every=0: must be an integer >= 1"),
-    Slip("ema-start-negative", ["train.ema_start=-5"], r"^train\.ema_start=-5: must be an integer >= 0"),
-    Slip("ema-decay-above-one", ["train.ema_decay=1.5"], r"^train\.ema_decay=1\.5: must be a number >= 0 and <= 1"),
-    Slip("sample-every-negative", ["train.sample_every=-1"], r"^train\.sample_every=-1: .*>= 0 \(0: off\)"),
-    Slip("workers-negative", ["train.num_workers=-1"], r"^train\.num_workers=-1: must be an integer >= 0"),
-    Slip("lr-zero", ["train.lr=0"], r"^train\.lr=0: must be a number > 0; pass train\.lr=X"),
-    Slip("lr-text", ["train.lr=fast"], r"^train\.lr='fast': must be a number > 0"),
-    Slip("seed-negative", ["seed=-1"], r"^seed=-1: must be an integer >= 0"),
-    Slip("log-every-zero", ["+logger.log_every=0"], r"^logger\.log_every=0: must be an integer >= 1"),
-    Slip("size-two-axes", ["model.image_size=[8,8]"], r"^model\.image_size=\[8, 8\]: must be three positive integers"),
-    Slip("size-zero", ["model.image_size=[0,8,8]"], r"^model\.image_size=\[0, 8, 8\]: must be three positive"),
-    Slip("device-unknown", ["device=tpu"], r"^device=tpu: unknown device; pass device=auto, cpu, cuda"),
-    Slip("device-cuda-on-cpu", ["device=cuda"], r"^device=cuda: no CUDA GPU is visible.*; pass device=auto",
-         marks=[pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")]),
-    Slip("volumes-zero", ["data.num_volumes=0"], r"^options: data\.num_volumes=0 must be >= 1; check the option"),
-    Slip("data-model-mismatch", ["data.variant=brats"], r"^data variant 'brats' has 4 image .*pick a matching model="),
-    Slip("data-folder-missing", ["data=whole_head", "data.root=/nonexistent/whole_head"],
-         r"^/nonexistent/whole_head(/image)?: no such folder"),
-    Slip("data-root-unset", ["data=whole_head"], r"^data\.root: has no value; pass data\.root="),
-    Slip("resume-missing", ["resume=/nonexistent/last.pt"], r"checkpoint not found: /nonexistent/last\.pt; check the path$"),
-    Slip("recipe-list-unknown", ["recipe=[tf23]"], r"^recipe=tf23: no configs/recipe/tf23\.yaml; " + RECIPE_NAMES),
-    Slip("recipe-unknown", ["recipe=tf23"], r"^recipe=tf23: no configs/recipe/tf23\.yaml; " + RECIPE_NAMES),
-    Slip("sampler-unknown", ["sampler=ddpn"], r"^sampler=ddpn: no configs/sampler/ddpn\.yaml; valid names: ddim, ddpm, deis"),
-    Slip("model-unknown", ["model=huge"], r"^model=huge: .*valid names: .*medddpm_whole_head.*tiny"),
-    Slip("experiment-unknown", ["experiment=fast"], r"^experiment=fast: .*valid names: .*fast_sample, fast_train"),
-    Slip("key-misspelt", ["train.max_step=3"], r"^Could not override 'train\.max_step'.*\(Key 'max_step' is not in struct\)$"),
-    Slip("override-syntax", ["train.max_steps=["], r"no viable alternative at input"),
-]
-
-
-@pytest.mark.parametrize("slip", [s.param() for s in TRAIN])
-def test_train_slip(slip, tmp_path, capsys):
-    assert re.search(slip.pattern, composed_or_refused(capsys, "train", slip.overrides, tmp_path, train.main))
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=UNSUPPORTED) for r in ("compile_cudagraphs", "amp_fp16")])
@@ -186,23 +149,6 @@ def sample_cfg(checkpoint: Path, out: Path, *overrides: str):
     return compose_cfg("sample", [f"checkpoint={checkpoint}", "sampler=ddim", "sampler.steps=2", *overrides], out)
 
 
-SAMPLE = [
-    Slip("samples-zero", ["num_samples=0"], r"^num_samples=0: must be an integer >= 1; pass num_samples=N"),
-    Slip("samples-text", ["num_samples=two"], r"^num_samples='two': must be an integer >= 1"),
-    Slip("weights-unknown", ["weights=best"], r"^weights='best': unknown value; pass one of ema, model$"),
-    Slip("size-two-axes", ["image_size=[8,8]"], r"^image_size=\[8, 8\]: .*pass image_size=\[D,H,W\] or image_size=null$"),
-    Slip("steps-zero", ["sampler.steps=0"], r"^sampler\.steps=0: must be in \[1, 250\]"),
-    Slip("eta-negative", ["sampler.eta=-1"], r"^sampler: sampler\.eta must be >= 0"),
-    Slip("masks-missing", ["masks=/nonexistent/masks"], r"^masks=/nonexistent/masks: no such file or folder; pass a mask"),
-    Slip("sampler-unknown", ["sampler=ddpn"], r"^sampler=ddpn: no configs/sampler/ddpn\.yaml; valid names: ddim"),
-    Slip("recipe-list-unknown", ["recipe=[tf23]"], r"^recipe=tf23: no configs/recipe/tf23\.yaml; " + RECIPE_NAMES),
-]
-
-
-@pytest.mark.parametrize("slip", [s.param() for s in SAMPLE])
-def test_sample_slip(slip, checkpoint, tmp_path, capsys):
-    overrides = [f"checkpoint={checkpoint}", "sampler=ddim", "sampler.steps=2", *slip.overrides]
-    assert re.search(slip.pattern, composed_or_refused(capsys, "sample", overrides, tmp_path, sample.main))
 
 
 def test_sample_without_a_checkpoint(tmp_path, capsys):
@@ -254,24 +200,16 @@ def test_masks_of_mixed_sizes_each_get_their_own_size(checkpoint, tmp_path):
         assert nib.load(tmp_path / "out" / f"{name}.nii.gz").shape == nib.load(masks / "mask" / f"{name}.nii.gz").shape
 
 
-# ---------------------------------------------------------------------------------------------- bench
-BENCH = [
-    Slip("batch-zero", ["bench.batch_size=0"], r"^bench\.batch_size=0: must be an integer >= 1"),
-    Slip("iters-zero", ["bench.iters=0"], r"^bench\.iters=0: must be an integer >= 1"),
-    Slip("warmup-negative", ["bench.warmup=-1"], r"^bench\.warmup=-1: must be an integer >= 0"),
-    Slip("timeout-zero", ["bench.timeout_s=0"], r"^bench\.timeout_s=0: must be a number > 0"),
-    Slip("threads-zero", ["bench.threads=0"], r"^bench\.threads=0: must be an integer >= 1"),
-    Slip("steps-zero", ["bench=full_sample", "sampler=ddim", "sampler.steps=0"], r"^sampler\.steps=0: must be in \[1, 250\]"),
-    Slip("size-two-axes", ["model.image_size=[8,8]"], r"^model\.image_size=\[8, 8\]: must be three"),
-    Slip("scenario-unknown", ["bench=train"], r"^bench=train: .*valid names: denoise_step, full_sample, train_step$"),
-    Slip("recipe-list-unknown", ["recipe=[tf23]"], r"^recipe=tf23: no configs/recipe/tf23\.yaml; " + RECIPE_NAMES),
-]
+# ------------------------------------------------------------------------ the table: tests/misuse.yaml
 
-
-@pytest.mark.parametrize("slip", [s.param() for s in BENCH])
-def test_bench_slip(slip, tmp_path, capsys):
-    line = composed_or_refused(capsys, "bench", slip.overrides, tmp_path, cli.entry(sweep.check_options))
-    assert re.search(slip.pattern, line)
+@pytest.mark.parametrize("slip", [s.param() for s in SLIPS])
+def test_slip(slip, tmp_path, capsys, request):
+    """Every row of the table: its exit status and its one line."""
+    overrides = slip.overrides.split()
+    if slip.command == "sample":
+        checkpoint = request.getfixturevalue("checkpoint")
+        overrides = [f"checkpoint={checkpoint}", "sampler=ddim", "sampler.steps=2", *overrides]
+    assert re.search(slip.error, composed_or_refused(capsys, slip, overrides, tmp_path))
 
 
 # --------------------------------------------------------------------------------- real subprocesses
