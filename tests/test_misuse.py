@@ -26,8 +26,10 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from bench import sweep
+from bench.scenarios import UnsupportedStack, prepared_parts
 from med_ddpm import cli, sample, train
 from med_ddpm import utils as med_utils
 from med_ddpm.phantoms import write_phantom_niftis
@@ -99,6 +101,15 @@ def test_gpu_only_recipe_is_refused_on_a_cpu(recipe, tmp_path, capsys):
     cfg = compose_cfg("train", [f"recipe=[{recipe}]"], tmp_path)
     line = refusal(capsys, cli.entry(train.build), cfg)
     assert re.search(rf"^recipe '{recipe}' is unsupported on this device: ", line)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=UNSUPPORTED) for r in ("compile_cudagraphs", "amp_fp16")])
+def test_gpu_only_recipe_is_an_unsupported_bench_row_on_a_cpu(recipe):
+    """bench.sweep times a row only for a stack the device runs (else the worker's row says unsupported)."""
+    cfg = OmegaConf.to_container(compose_cfg("bench", [f"recipe=[{recipe}]", "output_dir=/unused"]), resolve=True)
+    with pytest.raises(UnsupportedStack, match=rf"^recipe '{recipe}' is unsupported on this device: "):
+        with prepared_parts(cfg, torch.device("cpu")):
+            pass
 
 
 def test_train_refuses_an_output_dir_holding_a_run(tmp_path, capsys):
