@@ -254,3 +254,14 @@ def test_hydra_full_error_keeps_the_traceback(tmp_path):
                    env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
     assert "ConfigError: sampler.steps=0" in proc.stderr
+
+
+@pytest.mark.parametrize("bug", [KeyError("x"), OSError(errno.EBADF, "Bad file descriptor"), RuntimeError("oops")])
+def test_a_bug_keeps_its_traceback(bug, capsys):
+    """Only user errors become one line; anything else propagates (Hydra prints its traceback)."""
+    def task(cfg):
+        raise bug
+
+    with pytest.raises(type(bug)):
+        cli.entry(task)(OmegaConf.create({"output_dir": "/tmp/x"}))
+    assert capsys.readouterr().err == ""
