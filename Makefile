@@ -27,8 +27,11 @@ install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) 
 test: $(STAMP) ## run the fast CPU test suite (gpu/slow deselected); fails if no test runs
 	$(BIN)/python -m pytest -q
 
-test-gpu: $(STAMP) ## run the GPU-marked tests (on a CUDA machine)
-	$(BIN)/python -m pytest -q -m gpu
+test-gpu: $(STAMP) ## run the GPU-marked tests that fit one 10-minute call (on a CUDA machine); slow ones: make test-gpu-slow
+	$(BIN)/python -m pytest -q -m 'gpu and not slow'
+
+test-gpu-slow: $(STAMP) ## run the long GPU-marked tests (compiled 128^3 stacks)
+	$(BIN)/python -m pytest -q -m 'gpu and slow'
 
 test-slow: $(STAMP) ## run the slow tests
 	$(BIN)/python -m pytest -q -m slow
@@ -36,16 +39,22 @@ test-slow: $(STAMP) ## run the slow tests
 lint: $(STAMP) ## ruff check
 	$(BIN)/ruff check med_ddpm optim bench tests
 
-demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report
+demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report (reruns retrain)
+	@# train and sample refuse an output_dir holding an earlier run's results: a rerun starts them afresh;
+	@# the sweep keeps earlier runs' rows and its report shows the latest run's (bench.records run ids)
+	rm -rf $(DEMO_DIR)/train $(DEMO_DIR)/samples
 	$(BIN)/python -m med_ddpm.train experiment=smoke output_dir=$(DEMO_DIR)/train
 	$(BIN)/python -m med_ddpm.sample experiment=smoke checkpoint=$(DEMO_DIR)/train/checkpoints/last.pt output_dir=$(DEMO_DIR)/samples
 	$(MAKE) --no-print-directory bench-smoke SWEEP_DIR=$(DEMO_DIR)/bench
 	@echo "demo outputs: $(DEMO_DIR)/samples (NIfTI + PNG), $(DEMO_DIR)/bench/report.md"
 
-bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute), then its report
+bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute), then its report (latest run)
 	$(BIN)/python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[channels_last_3d],[amp_bf16]' hydra.sweep.dir=$(SWEEP_DIR)
 	$(BIN)/python -m bench.report $(SWEEP_DIR)
 	@cat $(SWEEP_DIR)/report.md
+
+stamp: $(STAMP) ## record git's commit in .provenance.json for a copy of this tree without .git (a GPU machine)
+	$(BIN)/python -m bench.records stamp
 
 bench: $(STAMP) ## a benchmark ladder, preset=gpu unless LADDER_ARGS says (LADDER_ARGS='preset=core budget_s=540')
 	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)
@@ -63,4 +72,4 @@ report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=.
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache
 
-.PHONY: help install test test-gpu test-slow lint demo bench-smoke bench profile counters report clean
+.PHONY: help install test test-gpu test-gpu-slow test-slow lint demo bench-smoke stamp bench profile counters report clean

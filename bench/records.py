@@ -1,8 +1,21 @@
-"""The results.jsonl row: its schema, its identity keys, and crash-safe append/read.
+"""The results.jsonl row: its schema, its identity keys, its provenance, and crash-safe append/read.
 
 One row per benchmark job, appended as a single JSON line with flush + fsync, so a sweep
 killed mid-way (OOM killer, the 10-minute device limit) keeps every finished row and can
 resume by skipping rows already present (:func:`job_key`).
+
+Provenance is stamped on every row by :func:`append_row`, never typed by hand:
+
+- ``run_id``: one per launch (a ``bench.sweep`` multirun, a ``bench.ladder`` call, a
+  ``bench.ddp`` run), shared by every row that launch writes. A results file may hold many
+  runs; the report compares a row only with the baseline of its own run. A launcher that
+  spreads one run over processes passes the id on in ``$MED_DDPM_RUN_ID`` (set on first use).
+- ``git_sha`` (full) and ``dirty`` (code or configs differ from that commit): from git where
+  the tree has a ``.git``; else from the stamp file ``.provenance.json`` that
+  ``python -m bench.records stamp`` (``make stamp``) writes from git before the tree is copied
+  to a machine without ``.git`` (carry it along: it is git-ignored). The stamp lists a hash of
+  every code and config file, so a file edited after stamping marks the row dirty. With
+  neither, ``git_sha`` is ``unknown`` and the report leaves the row out of its headline tables.
 
 Row schema (``None`` where a field does not apply or the job failed):
 
@@ -28,6 +41,8 @@ peak_fraction      tflops / datasheet dense peak for that precision
 quality            the quality gate's report (null unless ``bench.quality``)
 describe           the recipe stack's ``describe()``
 env                ``med_ddpm.utils.env_info()``: GPU, CC, driver, CUDA, cuDNN, torch, monai, git sha, host
+run_id             the launch that wrote the row (rows written before run ids existed have none)
+git_sha, dirty     the code's commit and whether the tree differed from it (``unknown``, null: not known)
 config             the resolved job config (reruns and the auto-added baseline use it)
 wall_s             seconds the job's subprocess took, end to end
 =================  =====================================================================
@@ -35,15 +50,27 @@ wall_s             seconds the job's subprocess took, end to end
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
+import secrets
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from med_ddpm.utils import append_line
+from med_ddpm.utils import append_line, atomic_write_text
 
 STATUSES = ("ok", "oom", "nan", "unsupported", "error")
 RESULTS_FILE = "results.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+STAMP_FILE = ROOT / ".provenance.json"
+RUN_ID_ENV = "MED_DDPM_RUN_ID"
+CODE_SUFFIXES = (".py", ".yaml", ".toml", ".cfg")  # what decides a measurement; results and docs do not
+UNKNOWN = "unknown"
 IDENTITY_FIELDS = ("scenario", "model", "image_size", "batch_size", "sampler", "steps")
 # Filled by a successful measurement; present as null in every other row, so all rows share keys.
 MEASURED_FIELDS = ("ms_median", "ms_p10", "ms_p90", "iqr_pct", "ms_mean", "ms_std", "iters", "warmup",
@@ -75,10 +102,80 @@ def is_baseline(row: dict[str, Any]) -> bool:
     return not row.get("recipes")
 
 
+def run_id() -> str:
+    """This launch's id (``$MED_DDPM_RUN_ID``; a new ``<UTC time>-<random>`` on first use)."""
+    if not os.environ.get(RUN_ID_ENV):
+        new_run()
+    return os.environ[RUN_ID_ENV]
+
+
+def new_run() -> str:
+    """Start a new run id for this process and the processes it starts (one per sweep launch)."""
+    os.environ[RUN_ID_ENV] = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+    return os.environ[RUN_ID_ENV]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10,
+                          check=True).stdout.strip()
+
+
+def code_files() -> list[str]:
+    """The tree's code and config files (tracked or not ignored), repository-relative."""
+    names = _git("ls-files", "--cached", "--others", "--exclude-standard").splitlines()
+    return sorted(n for n in set(names) if n.endswith(CODE_SUFFIXES) or n == "Makefile")
+
+
+def tree_digest(files: list[str]) -> str:
+    """sha256 over the names and bytes of ``files`` (a missing file counts as empty)."""
+    h = hashlib.sha256()
+    for name in files:
+        path = ROOT / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+    return h.hexdigest()
+
+
+def git_provenance() -> dict[str, Any]:
+    """``{git_sha, dirty}`` from git; ``dirty``: a code or config file differs from HEAD, or is new."""
+    sha = _git("rev-parse", "HEAD")
+    changed = _git("status", "--porcelain", "--", *(f"*{s}" for s in CODE_SUFFIXES), "Makefile")
+    return {"git_sha": sha, "dirty": bool(changed)}
+
+
+def write_stamp(path: Path = STAMP_FILE) -> dict[str, Any]:
+    """Write the stamp a copy of this tree without ``.git`` reads its provenance from."""
+    files = code_files()
+    stamp = {**git_provenance(), "files": files, "digest": tree_digest(files),
+             "stamped_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    atomic_write_text(path, json.dumps(stamp, indent=1) + "\n")
+    return stamp
+
+
+def stamp_provenance(path: Path = STAMP_FILE) -> dict[str, Any] | None:
+    """``{git_sha, dirty}`` from the stamp file; dirty also when a stamped file changed since."""
+    if not path.is_file():
+        return None
+    stamp = json.loads(path.read_text(encoding="utf-8"))
+    edited = tree_digest(stamp["files"]) != stamp["digest"]
+    return {"git_sha": stamp["git_sha"], "dirty": bool(stamp["dirty"] or edited)}
+
+
+@functools.cache
+def provenance() -> dict[str, Any]:
+    """The commit of the code measuring now: git where there is a ``.git``, else the stamp, else unknown."""
+    if (ROOT / ".git").exists():
+        try:
+            return git_provenance()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return stamp_provenance() or {"git_sha": UNKNOWN, "dirty": None}
+
+
 def append_row(path: str | Path, row: dict[str, Any]) -> None:
-    """Append ``row`` as one JSON line (flush + fsync)."""
+    """Append ``row`` as one JSON line (flush + fsync), stamped with this run's id and provenance."""
     if row.get("status") not in STATUSES:
         raise ValueError(f"results row has status {row.get('status')!r}; expected one of {STATUSES}")
+    row = {"run_id": run_id(), **provenance(), **row}
     append_line(path, json.dumps(row, sort_keys=True, default=str))
 
 
@@ -100,8 +197,11 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def missing_baselines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One representative row for every workload that has no strict-FP32 row yet."""
+def missing_baselines(rows: list[dict[str, Any]], run: str | None = None) -> list[dict[str, Any]]:
+    """One representative row for every workload of run ``run`` (default: this launch's) that has no
+    strict-FP32 row in that run: a speed-up is only ever against a baseline of the same run."""
+    run = run or run_id()
+    rows = [r for r in rows if r.get("run_id") == run]
     have = {baseline_key(r) for r in rows if is_baseline(r)}
     need: dict[str, dict[str, Any]] = {}
     for row in rows:
@@ -109,3 +209,18 @@ def missing_baselines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if key not in have and key not in need and row.get("config") is not None:
             need[key] = row
     return list(need.values())
+
+
+def main(argv: list[str]) -> int:
+    """``python -m bench.records stamp``: record git's commit for a copy of the tree without ``.git``."""
+    if argv != ["stamp"]:
+        print("usage: python -m bench.records stamp", file=sys.stderr)
+        return 2
+    stamp = write_stamp()
+    print(f"{STAMP_FILE.name}: {stamp['git_sha'][:12]}{' (dirty)' if stamp['dirty'] else ''}, "
+          f"{len(stamp['files'])} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

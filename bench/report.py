@@ -4,12 +4,19 @@ Example:
     python -m bench.report results/bench/2026-01-01_12-00-00
     python -m bench.report results/h200 --wandb            # also a W&B Table + the PNGs
 
-One row per job. Speed-up and memory are against the strict-FP32 row (``recipes == []``) of
-the same workload (scenario, model, size, batch, sampler, steps) in the same sweep; a workload
-without one gets no speed-up rather than a made-up one. Failed jobs (oom, nan, unsupported,
-error) stay in the table with their status and message. PNGs: speed-up per stack, speed-up
-vs the quality gate's number with the Pareto front marked (when the gate ran), and throughput
-vs batch size (when the sweep has several batch sizes).
+A results file may hold many runs (a sweep directory reused, a ladder resumed, rows from
+several machines). Every row carries the ``run_id`` of the launch that wrote it and its commit
+(:mod:`bench.records`). Speed-up and memory are against the strict-FP32 row (``recipes == []``)
+of the same workload (scenario, model, size, batch, sampler, steps) in the *same run*; a row
+whose run has no such baseline gets no speed-up rather than one across runs.
+
+report.md shows, per workload, the latest row of each stack (job) with its commit: the
+headline tables. A row of unknown provenance (no run id, as in results files written before
+run ids existed, or no known commit) is never a headline: it is listed apart, labelled, with
+its own numbers unchanged and no speed-up unless its run has a baseline. report.csv has every
+row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message.
+PNGs (headline rows): speed-up per stack, speed-up vs the quality gate's number with the Pareto
+front marked (when the gate ran), and throughput vs batch size (when there are several).
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.records import baseline_key, is_baseline, read_rows, recipe_label
+from bench.records import UNKNOWN, baseline_key, is_baseline, job_key, read_rows, recipe_label
 from med_ddpm.utils import atomic_write_text
 
 COLUMNS = ("scenario", "model", "batch_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
            "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s", "tflops",
-           "peak_fraction", "precision", "compile_s", "quality", "quality_value", "code", "message")
+           "peak_fraction", "precision", "compile_s", "quality", "quality_value", "code", "run_id", "message")
+LEGACY_RUN = "legacy (no run id)"
 QUALITY_METRIC = "x0_nrmse"  # gate number on the x-axis of the Pareto plot (lower is better)
 
 
@@ -43,15 +51,34 @@ def _quality_value(row: dict[str, Any], metric: str) -> float | None:
     return float(value) if value is not None else None
 
 
+def code_label(row: dict[str, Any]) -> str:
+    """The row's commit (12 hex digits, ``-dirty`` when the tree differed), or ``unknown``.
+
+    Rows written before provenance was stamped carry only ``env.git_sha``; they are labelled with it
+    but stay of unknown provenance (:func:`known_provenance`)."""
+    sha = row.get("git_sha") or (row.get("env") or {}).get("git_sha") or UNKNOWN
+    return sha if sha == UNKNOWN or "git_sha" not in row else sha[:12] + ("-dirty" if row.get("dirty") else "")
+
+
+def known_provenance(row: dict[str, Any]) -> bool:
+    """A row may be a headline: it has a run id and a known commit."""
+    return bool(row.get("run_id")) and row.get("git_sha") not in (None, UNKNOWN)
+
+
+def same_run_baselines(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(run id, workload) -> that run's successful strict-FP32 row (its latest, if it has several).
+    Rows without a run id have no run to match, so no baseline."""
+    return {(row["run_id"], baseline_key(row)): row for row in rows
+            if row.get("run_id") and is_baseline(row) and row.get("status") == "ok"}
+
+
 def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> list[dict[str, Any]]:
-    """Rows of the report table: each job with its speed-up and memory vs its workload's baseline."""
-    baselines: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        if is_baseline(row) and row.get("status") == "ok":
-            baselines.setdefault(baseline_key(row), row)
+    """Rows of the report table: each job with its speed-up and memory vs its own run's baseline."""
+    baselines = same_run_baselines(rows)
+    latest = {job_key(row): n for n, row in enumerate(rows) if known_provenance(row)}
     out = []
-    for row in rows:
-        base = baselines.get(baseline_key(row))
+    for n, row in enumerate(rows):
+        base = baselines.get((row.get("run_id"), baseline_key(row)))
         ok = row.get("status") == "ok"
         out.append({
             **{k: row.get(k) for k in COLUMNS},
@@ -60,9 +87,11 @@ def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> lis
             "mem_vs_baseline": _ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib")) if base and ok else None,
             "quality": (row.get("quality") or {}).get("verdict"),
             "quality_value": _quality_value(row, metric),
-            "code": (row.get("env") or {}).get("git_sha"),
+            "code": code_label(row),
+            "run_id": row.get("run_id") or LEGACY_RUN,
             "message": "" if ok else (row.get("message") or "").splitlines()[0][:120] if row.get("message") else "",
             "has_baseline": base is not None,
+            "headline": latest.get(job_key(row)) == n,
         })
     return out
 
@@ -77,7 +106,7 @@ def _fmt(value: Any) -> str:
 
 def to_csv(table: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "has_baseline"], lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "has_baseline", "headline"], lineterminator="\n")
     writer.writeheader()
     writer.writerows(table)
     return buf.getvalue()
@@ -92,28 +121,48 @@ def env_summary(rows: list[dict[str, Any]]) -> str:
     return ", ".join(f"{k} {' / '.join(v)}" for k, v in values.items() if v) or "unknown environment"
 
 
-def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
-    """One table per workload, baseline first, then by speed-up."""
+SHOWN = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speedup", "peak_mem_gib",
+         "mem_vs_baseline", "volumes_per_s", "tflops", "peak_fraction", "compile_s", "quality", "code", "run_id",
+         "message")
+
+
+def _workload_tables(table: list[dict[str, Any]], level: str) -> list[str]:
+    """One markdown table per workload, baseline first, then by speed-up."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in table:
         groups[baseline_key(r)].append(r)
-    shown = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speedup", "peak_mem_gib",
-             "mem_vs_baseline", "volumes_per_s", "tflops", "peak_fraction", "compile_s", "quality", "code", "message")
-    lines = ["# Benchmark report", "", f"Environment: {env_summary(rows)}.", "",
-             "Speed-up and memory are relative to the strict-FP32 row (`[] (fp32)`) of the same workload "
-             "in this sweep; times are per call in ms (median, p10, p90; IQR as % of the median).", ""]
+    lines = []
     for rs in groups.values():
         head = rs[0]
         what = f"{head['scenario']} · {head['model']} · batch {head['batch_size']}"
         if head.get("sampler"):
             what += f" · {head['sampler']} {head['steps']} steps"
-        lines += [f"## {what}", ""]
-        if not head["has_baseline"]:
-            lines += ["_No successful strict-FP32 row for this workload: no speed-ups._", ""]
+        lines += [f"{level} {what}", ""]
+        if not any(r["has_baseline"] for r in rs):
+            lines += ["_No successful strict-FP32 row of the same run: no speed-ups._", ""]
         rs = sorted(rs, key=lambda r: (r["recipes"] != "[] (fp32)", -(r["speedup"] or 0)))
-        lines += ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-        lines += ["| " + " | ".join(_fmt(r[c]) for c in shown) + " |" for r in rs]
+        lines += ["| " + " | ".join(SHOWN) + " |", "|" + "---|" * len(SHOWN)]
+        lines += ["| " + " | ".join(_fmt(r[c]) for c in SHOWN) + " |" for r in rs]
         lines.append("")
+    return lines
+
+
+def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """The headline tables (latest row per stack, known provenance), then the rows of unknown provenance."""
+    headline = [r for r in table if r["headline"]]
+    unknown = [r for r, row in zip(table, rows) if not known_provenance(row)]
+    shown_rows = [row for r, row in zip(table, rows) if r["headline"]] or rows
+    lines = ["# Benchmark report", "", f"Environment: {env_summary(shown_rows)}.", "",
+             "The latest row of each stack per workload, with its commit (`code`) and run. Speed-up and memory "
+             "are relative to the strict-FP32 row (`[] (fp32)`) of the same workload in the same run; times are "
+             "per call in ms (median, p10, p90; IQR as % of the median). Older rows are in report.csv.", ""]
+    lines += _workload_tables(headline, "##") if headline else ["_No rows of known provenance._", ""]
+    if unknown:
+        lines += ["## Rows of unknown provenance (not in the tables above)", "",
+                  "These rows have no run id (written before run ids existed) or no known commit: their numbers "
+                  "are as measured, but they cannot be tied to a commit, and a speed-up is shown only against a "
+                  "baseline of the same run.", ""]
+        lines += _workload_tables(unknown, "###")
     return "\n".join(lines)
 
 
@@ -213,7 +262,7 @@ def log_wandb(table: list[dict[str, Any]], images: list[Path], sweep_dir: Path) 
     import wandb
 
     run = wandb.init(project="med-ddpm-bench", job_type="bench-report", name=sweep_dir.name)
-    columns = [*COLUMNS, "has_baseline"]
+    columns = [*COLUMNS, "has_baseline", "headline"]
     run.log({"bench/results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in table])})
     run.log({f"bench/{p.stem}": wandb.Image(str(p)) for p in images})
     run.finish()
@@ -223,9 +272,10 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path."""
     rows = read_rows(sweep_dir)
     table = report_rows(rows, metric)
-    images = [p for p in (plot_speedups(table, sweep_dir / "speedup.png"),
-                          plot_pareto(table, sweep_dir / "speedup_vs_quality.png", metric),
-                          plot_throughput(table, sweep_dir / "throughput_vs_batch.png")) if p]
+    headline = [r for r in table if r["headline"]]
+    images = [p for p in (plot_speedups(headline, sweep_dir / "speedup.png"),
+                          plot_pareto(headline, sweep_dir / "speedup_vs_quality.png", metric),
+                          plot_throughput(headline, sweep_dir / "throughput_vs_batch.png")) if p]
     markdown = to_markdown(table, rows) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
     atomic_write_text(sweep_dir / "report.csv", to_csv(table))
     md = atomic_write_text(sweep_dir / "report.md", markdown)

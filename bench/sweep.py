@@ -9,10 +9,12 @@ Every job is measured in a fresh subprocess (:mod:`bench.worker`), so jobs canno
 state into each other and an OOM/NaN/crash becomes a row, and appended to
 ``<sweep_dir>/results.jsonl`` (:mod:`bench.records`).
 
-The strict-FP32 baseline is always in the sweep: the :class:`EnsureBaseline` callback (wired in
-``configs/bench.yaml``) runs, after the last job, a ``recipe=[]`` job for every workload that
-has no baseline row yet, using the workload's stored config. Speed-ups in the report are
-against that row.
+Each launch is one run: the :class:`EnsureBaseline` callback (wired in ``configs/bench.yaml``)
+starts a new run id before the first job, so every row of the launch carries it, and a sweep
+directory that already holds rows of earlier launches keeps them apart (the report shows the
+latest row of each stack, against the baseline of its own run). The strict-FP32 baseline is
+always in the run: after the last job, the callback runs a ``recipe=[]`` job for every
+workload of this run that has no baseline row yet, using the workload's stored config.
 
 The job function returns ``(ms_median, quality objective)`` so the Optuna sweeper
 (``hydra/sweeper=optuna_pareto``) can search the speed/quality Pareto front; a failed job
@@ -35,8 +37,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from bench.records import RESULTS_FILE, append_row, missing_baselines, read_rows, recipe_label
+from bench.records import RESULTS_FILE, append_row, missing_baselines, new_run, read_rows, recipe_label
 from bench.worker import cut_by_budget, run_job
+from med_ddpm import cli
+from med_ddpm.errors import check_device, check_int, check_number, check_sampler, check_size
 
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -96,7 +100,14 @@ def record(job: dict[str, Any], sweep_dir: Path, job_dir: Path, timeout_s: float
 
 
 class EnsureBaseline(Callback):
-    """After a multirun, measure the strict-FP32 baseline of every workload that lacks one."""
+    """A new run id per launch; after it, measure the strict-FP32 baseline of every workload of the
+    run that lacks one."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        new_run()
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        new_run()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self.complete(Path(config.hydra.sweep.dir))
@@ -138,8 +149,24 @@ def sweep_dir_of(hydra_cfg: Any) -> Path:
     return Path(hydra_cfg.runtime.output_dir)
 
 
+def check_options(cfg: DictConfig) -> None:
+    """Refuse, before a worker starts, a job the worker would fail on or time wrongly."""
+    check_int(cfg, "bench.batch_size", 1)
+    check_int(cfg, "bench.iters", 1)
+    check_int(cfg, "bench.warmup", 0)
+    check_number(cfg, "bench.timeout_s", 0.0, low_open=True)
+    if cfg.bench.get("threads") is not None:
+        check_int(cfg, "bench.threads", 1)
+    check_size(cfg, "model.image_size")
+    check_device(cfg)
+    check_sampler(cfg.sampler, cfg.diffusion)
+
+
 @hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> tuple[float, float]:
+    cli.output_dir(cfg)
+    check_options(cfg)
     hc = HydraConfig.get()
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
     row = record(job, sweep_dir_of(hc), Path(hc.runtime.output_dir), float(cfg.bench.timeout_s))
@@ -149,4 +176,4 @@ def main(cfg: DictConfig) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

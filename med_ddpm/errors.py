@@ -1,13 +1,121 @@
-"""Exception types for bad user input.
+"""Bad user input: the error types, and the checks of option values that raise them.
 
-Both subclass ``ValueError`` so generic callers can catch them, while the CLIs and tests can tell a broken
-data file from a broken checkpoint. Messages always name the offending file (or key) and the problem.
+Every :class:`UserError` message reads ``<thing>: <problem>; <fix>``: the file or option at
+fault, what is wrong with it, and what to do. The command-line entry points
+(:mod:`med_ddpm.cli`) print such an error as one line and exit with status 2; a traceback is
+for bugs. They subclass ``ValueError`` so library callers can catch them generically, while
+the CLIs and tests can tell a broken data file from a broken checkpoint or option.
+
+The checks run at the start of each entry point, before anything is built: a run never starts
+with a value that the code would later change, ignore or divide by.
 """
 
+from __future__ import annotations
 
-class DataError(ValueError):
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class UserError(ValueError):
+    """Input the user can fix; the message names the thing, the problem and the fix."""
+
+
+class DataError(UserError):
     """A data file (NIfTI image or mask) is missing, unreadable, or has the wrong shape, values or labels."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint file is missing, unreadable, or lacks keys or shapes the model needs."""
+
+
+class ConfigError(UserError):
+    """An option has a value the code cannot run with."""
+
+
+class OutputError(UserError):
+    """The output directory already holds results that a run would overwrite or mix with its own."""
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def check_int(cfg: DictConfig, key: str, low: int, high: int | None = None, meaning: str = "") -> int:
+    """``cfg.<key>`` must be an integer in [low, high]; ``meaning`` says what a special value does."""
+    value = _value(cfg, key)
+    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        raise ConfigError(f"{key}={value!r}: must be an integer {span}{meaning}; pass {key}=N with N {span}")
+    return value
+
+
+def check_number(cfg: DictConfig, key: str, low: float, high: float = math.inf, low_open: bool = False) -> float:
+    """``cfg.<key>`` must be a finite number in [low, high] (``(low, high]`` when ``low_open``)."""
+    value = _value(cfg, key)
+    span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (low_open and value == low) or value > high:
+        raise ConfigError(f"{key}={value!r}: must be a number {span}; pass {key}=X with X {span}")
+    return float(value)
+
+
+def check_choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> str:
+    value = _value(cfg, key)
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: unknown value; pass one of {', '.join(choices)}")
+    return value
+
+
+def check_size(cfg: DictConfig, key: str, optional: bool = False) -> list[int] | None:
+    """``cfg.<key>`` must be three positive integers (D, H, W), or null when ``optional``."""
+    value = _value(cfg, key)
+    if value is None and optional:
+        return None
+    items = list(value) if OmegaConf.is_list(value) or isinstance(value, list | tuple) else None
+    if items is None or len(items) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in items):
+        raise ConfigError(f"{key}={value!r}: must be three positive integers (D, H, W); pass {key}=[D,H,W]"
+                          + (f" or {key}=null" if optional else ""))
+    return items
+
+
+def check_device(cfg: DictConfig) -> None:
+    """``device`` must name a device this machine has (``auto`` picks CUDA when there is one)."""
+    import torch
+
+    value = str(_value(cfg, "device"))
+    try:
+        kind = "auto" if value == "auto" else torch.device(value).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={value}: unknown device; pass device=auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={value}: no CUDA GPU is visible on this machine; pass device=auto or device=cpu")
+
+
+@contextmanager
+def as_config_error(key: str, fix: str) -> Iterator[None]:
+    """Turn a ``ValueError`` raised while building an object from config node ``key`` into a
+    :class:`ConfigError` naming that node (constructors check their own arguments)."""
+    from optim.base import RecipeConflictError  # reported as it is (med_ddpm.cli)
+
+    try:
+        yield
+    except (UserError, RecipeConflictError):
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{key}: {err}; {fix}") from err
+
+
+def check_sampler(sampler: DictConfig, diffusion: DictConfig) -> None:
+    """Build the ``sampler`` node against the ``diffusion`` schedule: its steps and options are checked
+    by the samplers' own constructors, and a refusal names the node and its config file."""
+    from med_ddpm.diffusion import NoiseSchedule  # the samplers import this module
+    from med_ddpm.samplers import sampler_from_config
+
+    with as_config_error("sampler", f"see configs/sampler/{sampler.get('name')}.yaml for its options"):
+        sampler_from_config(sampler, NoiseSchedule.from_config(diffusion))

@@ -30,13 +30,23 @@ from typing import Any, TypeVar
 import hydra
 import nibabel as nib
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from med_ddpm import distributed
+from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition
-from med_ddpm.errors import DataError
+from med_ddpm.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    OutputError,
+    check_choice,
+    check_device,
+    check_int,
+    check_sampler,
+    check_size,
+)
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.timings import RunClock
@@ -55,10 +65,10 @@ def list_masks(masks: str | None) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise FileNotFoundError(f"masks={masks}: no such file or folder")
+        raise DataError(f"masks={masks}: no such file or folder; pass a mask file or a folder of *.nii.gz masks")
     found = sorted(p for p in path.iterdir() if p.name.endswith((".nii.gz", ".nii")))
     if not found:
-        raise DataError(f"masks={masks}: folder has no .nii/.nii.gz mask files")
+        raise DataError(f"masks={masks}: folder has no .nii/.nii.gz mask files; pass a folder of NIfTI masks")
     return found
 
 
@@ -72,7 +82,8 @@ def sampling_geometry(loaded: Loaded, cfg: DictConfig) -> tuple[str, list[int] |
     saved = loaded.config
     variant = VARIANT_BY_IMAGE_CHANNELS.get(loaded.model.out_channels)
     if variant is None:
-        raise ValueError(f"{cfg.checkpoint}: {loaded.model.out_channels} output channels match no known data variant")
+        raise CheckpointError(f"{cfg.checkpoint}: {loaded.model.out_channels} output channels match no known data "
+                              f"variant {sorted(VARIANT_BY_IMAGE_CHANNELS)}; pass a whole-head or BraTS checkpoint")
     resize_mode = saved.get("data", {}).get("resize_mode") or cfg.data.get("resize_mode", "crop_or_pad")
     if cfg.get("image_size") is not None:
         return variant, list(cfg.image_size), resize_mode
@@ -259,8 +270,33 @@ def run(cfg: DictConfig) -> list[Path]:
     return written
 
 
+def check_options(cfg: DictConfig) -> None:
+    """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on."""
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise ConfigError("checkpoint: not set; pass checkpoint=PATH (a checkpoint written by med_ddpm.train, "
+                          "or the published Med-DDPM weights)")
+    check_int(cfg, "num_samples", 1)
+    check_int(cfg, "seed", 0)
+    check_choice(cfg, "weights", ("ema", "model"))
+    check_size(cfg, "image_size", optional=True)
+    check_device(cfg)
+    # the options only: the steps are checked against the checkpoint's own schedule when it is loaded
+    check_sampler(OmegaConf.merge(cfg.sampler, {"steps": None}), cfg.diffusion)
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Samples of two runs must not mix in one folder (nor a new run overwrite the old one's)."""
+    found = sorted(out_dir.glob("*.nii.gz"))
+    if found:
+        raise OutputError(f"output_dir={out_dir}: already holds {len(found)} sample(s) ({found[0].name}, ...); "
+                          "choose another output_dir=, or remove them")
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="sample", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> None:
+    check_output_dir(cli.output_dir(cfg))
+    check_options(cfg)
     written = run(cfg)
     total = sum(distributed.all_gather_object(len(written)))  # also waits for every rank's files
     if distributed.is_main():
@@ -269,4 +305,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

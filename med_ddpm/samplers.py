@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from med_ddpm.diffusion import NoiseSchedule, extract
+from med_ddpm.errors import ConfigError
 
 
 @dataclass
@@ -99,9 +100,9 @@ class DDPMSampler(Sampler):
     def set_timesteps(self, num_inference_steps: int) -> None:
         T = self.schedule.num_train_timesteps
         if num_inference_steps != T:
-            raise ValueError(
-                f"DDPM samples all {T} training steps (asked for {num_inference_steps}); "
-                "use sampler=ddim, dpm_solver_pp or deis for fewer steps"
+            raise ConfigError(
+                f"sampler.steps={num_inference_steps}: DDPM samples all {T} training steps; "
+                f"pass sampler.steps={T}, or sampler=ddim, dpm_solver_pp or deis for fewer steps"
             )
         self.num_inference_steps = T
         self.timesteps = torch.arange(T - 1, -1, -1)
@@ -161,7 +162,8 @@ def make_timesteps(
     """
     T, n = num_train_timesteps, num_inference_steps
     if not 1 <= n <= T:
-        raise ValueError(f"sampler.steps must be in [1, {T}] (the training timesteps); got {n}")
+        raise ConfigError(f"sampler.steps={n}: must be in [1, {T}] (the training timesteps); "
+                          f"pass sampler.steps=N with 1 <= N <= {T}")
     if spacing == "linspace":
         ts = np.linspace(T - 1, 0, n).round()
     elif spacing == "leading":
@@ -414,7 +416,7 @@ def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, 
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
     sampler = SAMPLERS[name](schedule, **kwargs)
-    sampler.set_timesteps(steps or schedule.num_train_timesteps)
+    sampler.set_timesteps(schedule.num_train_timesteps if steps is None else steps)
     return sampler
 
 

@@ -34,12 +34,22 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
-from med_ddpm import distributed
+from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
-from med_ddpm.errors import CheckpointError
+from med_ddpm.errors import (
+    CheckpointError,
+    ConfigError,
+    OutputError,
+    as_config_error,
+    check_device,
+    check_int,
+    check_number,
+    check_sampler,
+    check_size,
+)
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.timings import LoopTimer, RunClock, TimedIterator
@@ -108,7 +118,7 @@ def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
     """Image + mask channels of the data must be what the network takes and predicts."""
     v = dataset.variant
     if (v.image_channels, v.image_channels + v.cond_channels) != (model_cfg.out_channels, model_cfg.in_channels):
-        raise ValueError(
+        raise ConfigError(
             f"data variant {v.name!r} has {v.image_channels} image + {v.cond_channels} mask channels but the model "
             f"takes in_channels={model_cfg.in_channels}, out_channels={model_cfg.out_channels}; "
             "pick a matching model= / data.variant="
@@ -193,7 +203,7 @@ def write_checkpoints(job: Job, rng: list[dict]) -> None:
     )
     ckpt_dir = job.out_dir / "checkpoints"
     save_checkpoint(ckpt_dir / "last.pt", **state)
-    if job.step % job.cfg.train.save_every == 0:
+    if job.cfg.train.save_every and job.step % job.cfg.train.save_every == 0:
         save_checkpoint(ckpt_dir / f"step_{job.step:07d}.pt", **state)
 
 
@@ -397,7 +407,7 @@ def fit(job: Job) -> dict[str, Any]:
             if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
                 png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
                 job.tracker.log_image("sample", png, step=job.step)
-            if job.step % cfg.save_every == 0 or job.step == cfg.max_steps:
+            if (cfg.save_every and job.step % cfg.save_every == 0) or job.step == cfg.max_steps:
                 save(job)
         bar.close()
         summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
@@ -420,10 +430,39 @@ def metrics(job: Job, loss: float, t0: float, start_step: int) -> dict[str, Any]
     return out
 
 
+def check_options(cfg: DictConfig) -> None:
+    """Refuse, before anything is built, a value the loop would divide by, ignore or change."""
+    for key in ("train.max_steps", "train.batch_size", "train.grad_accum", "train.ema_every"):
+        check_int(cfg, key, 1)
+    check_int(cfg, "train.save_every", 0, meaning=" (0: only last.pt, written at the end)")
+    check_int(cfg, "train.sample_every", 0, meaning=" (0: off)")
+    for key in ("train.ema_start", "train.num_workers", "seed"):
+        check_int(cfg, key, 0)
+    check_number(cfg, "train.lr", 0.0, low_open=True)
+    check_number(cfg, "train.ema_decay", 0.0, 1.0)
+    if "log_every" in cfg.logger:
+        check_int(cfg, "logger.log_every", 1)
+    check_size(cfg, "model.image_size")
+    check_device(cfg)
+    check_sampler(cfg.sampler, cfg.diffusion)
+
+
+def check_output_dir(out_dir: Path, resume: str | None) -> None:
+    """A run that does not resume must not overwrite another run's checkpoints."""
+    if not resume and (out_dir / "checkpoints" / "last.pt").exists():
+        raise OutputError(f"output_dir={out_dir}: already holds a training run (checkpoints/last.pt); pass "
+                          "resume=auto to continue it, or choose another output_dir=")
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
-    summary = fit(build(cfg))
+    check_output_dir(cli.output_dir(cfg), cfg.resume)
+    check_options(cfg)
+    with as_config_error("options", "check the option it names (python -m med_ddpm.train --cfg job lists them)"):
+        job = build(cfg)  # the data, model and recipe constructors check their own options
+    summary = fit(job)
     if distributed.is_main():
         log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
                  summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
@@ -432,4 +471,4 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,15 +1,18 @@
-"""bench.report on fixture rows: speed-ups vs the in-sweep baseline, missing baseline, failed rows."""
+"""bench.report on fixture rows: speed-ups vs the same run's baseline, missing baseline, failed rows,
+runs mixed in one file, rows of unknown provenance; bench.records' run id and provenance stamp."""
 
 import json
 
 import pytest
 
-from bench import report
+from bench import records, report
 from bench.records import append_row, missing_baselines, read_rows
 
+SHA = "0123456789abcdef0123456789abcdef01234567"
 
-def row(recipes, ms, status="ok", batch=1, scenario="train_step", mem=10.0, quality=None, message=""):
-    return {"scenario": scenario, "model": "medddpm_whole_head", "image_size": [128, 128, 128],
+
+def row(recipes, ms, status="ok", batch=1, scenario="train_step", mem=10.0, quality=None, message="", run="run-1"):
+    return {"run_id": run, "git_sha": SHA, "dirty": False, "scenario": scenario, "model": "medddpm_whole_head", "image_size": [128, 128, 128],
             "batch_size": batch, "sampler": None, "steps": None, "recipes": recipes, "status": status,
             "message": message, "ms_median": ms, "ms_p10": ms and ms * 0.9, "ms_p90": ms and ms * 1.1,
             "iqr_pct": 1.0, "peak_mem_gib": mem, "volumes_per_s": ms and batch / ms * 1e3, "tflops": 1.0,
@@ -69,8 +72,9 @@ def test_torn_line_and_missing_baselines(sweep):
     with pytest.warns(RuntimeWarning, match="unreadable row"):
         rows = read_rows(sweep)
     assert len(rows) == len(ROWS)
-    need = missing_baselines(rows)
+    need = missing_baselines(rows, "run-1")
     assert [r["batch_size"] for r in need] == [2]
+    assert missing_baselines(rows, "run-2") == []  # another run's rows are not this run's to complete
 
 
 def test_bad_status_refused(tmp_path):
@@ -81,11 +85,74 @@ def test_bad_status_refused(tmp_path):
 
 def test_rows_merged_from_several_runs_keep_their_commit():
     """Rows appended by later device runs must not be labelled with the first row's commit."""
-    a, b = row([], 100.0), row(["compile"], 30.0)
+    a, b = row([], 100.0), row(["compile"], 30.0, run="run-2")
+    a["git_sha"], b["git_sha"], b["dirty"] = "ac09301" + "0" * 33, "55861c0" + "0" * 33, True
     a["env"] = {"gpu": "NVIDIA H200", "git_sha": "ac09301"}
     b["env"] = {"gpu": "NVIDIA H200", "git_sha": "55861c0"}
     table = report.report_rows([a, b])
-    assert [r["code"] for r in table] == ["ac09301", "55861c0"]
+    assert [r["code"] for r in table] == ["ac0930100000", "55861c000000-dirty"]
     assert "git_sha ac09301 / 55861c0" in report.env_summary([a, b])
     assert "gpu NVIDIA H200," in report.env_summary([a, b])
-    assert "| 55861c0 |" in report.to_markdown(table, [a, b])
+    assert "| 55861c000000-dirty | run-2 |" in report.to_markdown(table, [a, b])
+
+
+def test_each_row_is_compared_with_the_baseline_of_its_own_run():
+    """A reused sweep directory: run 2's rows against run 2's baseline, never run 1's (issue 29's 2.3x vs 1.84x)."""
+    rows = [row([], 230.0), row(["amp_bf16"], 100.0), row([], 184.0, run="run-2"), row(["amp_bf16"], 100.0, run="run-2")]
+    table = report.report_rows(rows)
+    assert [r["speedup"] for r in table] == pytest.approx([1.0, 2.3, 1.0, 1.84])
+    assert [r["headline"] for r in table] == [False, False, True, True]  # the latest row of each stack
+    md = report.to_markdown(table, rows)
+    assert "| amp_bf16 | ok | 100 | 90 | 110 | 1 | 1.84 |" in md and "| 2.3 |" not in md
+
+
+def test_a_run_without_its_own_baseline_gets_no_speedup():
+    rows = [row([], 200.0), row(["tf32"], 100.0, run="run-2")]
+    (base, tf32) = report.report_rows(rows)
+    assert base["speedup"] == pytest.approx(1.0) and tf32["speedup"] is None and not tf32["has_baseline"]
+
+
+def test_rows_of_unknown_provenance_stay_out_of_the_headline():
+    """Rows without a run id (written before run ids) or a commit are listed apart, numbers unchanged, no ratio."""
+    legacy = [{k: v for k, v in r.items() if k not in ("run_id", "git_sha", "dirty")} for r in ROWS[:2]]
+    legacy[0]["env"] = {"git_sha": "unknown"}
+    copied = row(["amp_bf16"], 50.0, run="run-3") | {"git_sha": "unknown", "dirty": None}
+    rows = [*legacy, copied, row([], 400.0, run="run-4")]
+    table = report.report_rows(rows)
+    assert [r["headline"] for r in table] == [False, False, False, True]
+    assert [r["run_id"] for r in table][:2] == [report.LEGACY_RUN] * 2
+    assert table[1]["speedup"] is None and table[1]["ms_median"] == 200.0
+    md = report.to_markdown(table, rows)
+    head, _, apart = md.partition("## Rows of unknown provenance")
+    assert "| [] (fp32) | ok | 400 |" in head and "| tf32 |" not in head and "| amp_bf16 |" not in head
+    assert "| tf32 | ok | 200 |" in apart and "| amp_bf16 | ok | 50 |" in apart and "legacy (no run id)" in apart
+
+
+def test_append_row_stamps_run_id_and_provenance(tmp_path, monkeypatch):
+    monkeypatch.setenv(records.RUN_ID_ENV, "run-x")
+    append_row(tmp_path / "r.jsonl", {k: v for k, v in row([], 1.0).items() if k not in ("run_id", "git_sha", "dirty")})
+    (written,) = read_rows(tmp_path / "r.jsonl")
+    assert written["run_id"] == "run-x" and written["git_sha"] == records.provenance()["git_sha"]
+    assert len(written["git_sha"]) == 40 and isinstance(written["dirty"], bool)  # the test runs in a checkout
+    first = records.new_run()
+    assert records.run_id() == first != "run-x" and records.new_run() != first
+
+
+def test_stamp_gives_provenance_without_git_and_sees_later_edits(tmp_path, monkeypatch):
+    """The tree copied to a machine without .git reads its commit from the stamp; an edit since marks it dirty."""
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(records, "ROOT", tree)
+    stamp = {"git_sha": SHA, "dirty": False, "files": ["pkg/a.py"], "digest": records.tree_digest(["pkg/a.py"])}
+    (tree / ".provenance.json").write_text(json.dumps(stamp))
+    assert records.stamp_provenance(tree / ".provenance.json") == {"git_sha": SHA, "dirty": False}
+    (tree / "pkg" / "a.py").write_text("x = 2\n")
+    assert records.stamp_provenance(tree / ".provenance.json") == {"git_sha": SHA, "dirty": True}
+    assert records.stamp_provenance(tree / "absent.json") is None
+
+
+def test_write_stamp_records_head(tmp_path):
+    stamp = records.write_stamp(tmp_path / "stamp.json")
+    assert stamp["git_sha"] == records.git_provenance()["git_sha"] and "bench/records.py" in stamp["files"]
+    assert json.loads((tmp_path / "stamp.json").read_text())["digest"] == records.tree_digest(stamp["files"])

@@ -1,4 +1,5 @@
-"""End-to-end CPU sweeps through Hydra multirun + per-job subprocesses (the bench_smoke experiment)."""
+"""End-to-end CPU sweeps through Hydra multirun + per-job subprocesses (the bench_smoke experiment),
+and a sweep directory reused by a second launch."""
 
 import json
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 
 from bench.ladder import compose_job
 from bench.records import read_rows
+from bench.report import report_rows, write_report
 from bench.worker import run_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,3 +72,22 @@ def test_quality_gate_fills_the_row(tmp_path):
     assert row["status"] == "ok", row["message"]
     assert row["quality"]["verdict"] in ("pass", "warn"), row["quality"]
     assert row["quality"]["metrics"]["eps_rel_l2"] > 0  # bf16 drifts from fp32: the comparison ran
+
+
+@pytest.mark.slow  # two sweeps; tests/bench/test_report.py checks the same-run matching in the default suite
+def test_a_reused_sweep_dir_reports_its_latest_run(tmp_path):
+    """`make demo` twice into one directory: the second report shows the same stacks as the first, every
+    one from the second run and against that run's baseline (never the first run's)."""
+    shapes = []
+    for _ in range(2):
+        rows = sweep(tmp_path, "bench=denoise_step", "recipe=[],[amp_bf16]")
+        md = write_report(tmp_path / "sweep").read_text()
+        headline = [r for r in report_rows(rows) if r["headline"]]
+        shapes.append(([(r["recipes"], r["status"]) for r in headline],
+                       [line for line in md.splitlines() if line.startswith("#")]))
+    assert shapes[0] == shapes[1] and shapes[0][0] == [("[] (fp32)", "ok"), ("amp_bf16", "ok")]
+    assert len({r["run_id"] for r in rows}) == 2 and all(len(r["git_sha"]) == 40 for r in rows)
+    second = [r for r in rows if r["run_id"] == rows[-1]["run_id"]]
+    base, amp = (next(r for r in second if r["recipes"] == names) for names in ([], ["amp_bf16"]))
+    (speedup,) = [r["speedup"] for r in headline if r["recipes"] == "amp_bf16"]
+    assert speedup == pytest.approx(base["ms_median"] / amp["ms_median"])

@@ -1,0 +1,159 @@
+"""The wrapper of every Hydra entry point: one line for a user error, a traceback for a bug.
+
+Usage, in an entry module::
+
+    @hydra.main(config_path=..., config_name="train", version_base="1.3")
+    @cli.entry
+    def main(cfg): ...
+
+    if __name__ == "__main__":
+        cli.run(main)
+
+:func:`entry` reports the errors raised by the task itself (as a ``SystemExit``, which Hydra
+passes through without a second "Error executing job" message); :func:`run` reports the
+errors of composing the config, which happen before the task starts.
+
+A user error prints ``error: <thing>: <problem>; <fix>`` to stderr and exits with status 2:
+
+- :class:`med_ddpm.errors.UserError` (bad data, checkpoint, option value or output directory),
+- a recipe refusal (:class:`optim.UnsupportedRecipeError`, :class:`optim.RecipeConflictError`),
+- Hydra's config errors (unknown config name, with the valid names listed; unknown key; bad
+  override syntax) and a mandatory option left unset,
+- an ``OSError`` on a user path: missing, not permitted, read-only, disk full.
+
+Any other exception is a bug and keeps its traceback (exit status 1). ``HYDRA_FULL_ERROR=1``
+shows the full traceback of every error, user errors included.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+from med_ddpm.errors import UserError
+from optim.base import RecipeConflictError, UnsupportedRecipeError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+EXIT_USER_ERROR = 2
+OS_FIXES = {
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "check the path",
+    errno.EISDIR: "pass a file, not a folder",
+    errno.EACCES: "fix its permissions or choose another output_dir=",
+    errno.EPERM: "fix its permissions or choose another output_dir=",
+    errno.EROFS: "choose an output_dir= on a writable file system",
+    errno.ENOSPC: "free some space or choose an output_dir= on another disk",
+    errno.EDQUOT: "free some space or choose an output_dir= on another disk",
+}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def missing_config_line(err: MissingConfigException) -> str:
+    """``recipe=tf23: no configs/recipe/tf23.yaml; valid names: ...`` (Hydra lists them only for
+    a plain ``group=name``, not for a name inside a list such as ``recipe=[tf23]``)."""
+    group, _, name = (err.missing_cfg_file or "").rpartition("/")
+    names = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")) if group else []
+    if not names:
+        return _one_line(str(err).split("Config search path")[0])
+    return f"{group}={name}: no configs/{group}/{name}.yaml; valid names: {', '.join(names)}"
+
+
+def os_error_line(err: OSError, where: str = "output") -> str | None:
+    """``<path>: <strerror>; <fix>`` for an OSError a user can fix, else None (a bug).
+
+    ``where`` names the thing when the error has no file name (a full disk fails a write, not an open).
+    """
+    fix = OS_FIXES.get(err.errno) if err.errno is not None else None
+    if fix is None and isinstance(err, FileNotFoundError | PermissionError):
+        fix = "check the path"  # raised by our own code with a message and no errno
+    if fix is None:
+        return None
+    if err.errno is None:  # our own message names the file already
+        return f"{_one_line(str(err))}; {fix}"
+    thing = err.filename if err.filename is not None else where
+    return f"{thing}: {err.strerror or err}; {fix}"
+
+
+def user_error_line(err: BaseException, where: str = "output") -> str | None:
+    """The one line a user error prints (without ``error: ``), or None when ``err`` is a bug."""
+    if isinstance(err, UserError | UnsupportedRecipeError | RecipeConflictError):
+        return _one_line(str(err))
+    if isinstance(err, MissingConfigException):
+        return missing_config_line(err)
+    if isinstance(err, HydraException):
+        cause = f" ({_one_line(err.__cause__).split(' full_key:')[0]})" if err.__cause__ else ""
+        return _one_line(str(err)) + cause
+    if isinstance(err, MissingMandatoryValue):
+        key = err.full_key or "option"
+        return f"{key}: has no value; pass {key}=..."
+    if isinstance(err, OSError):
+        return os_error_line(err, where)
+    return None
+
+
+_SET_BY_RUN = "MED_DDPM_CLI_SET_FULL_ERROR"  # marks a HYDRA_FULL_ERROR=1 that run() set, not the user
+
+
+def full_error() -> bool:
+    """Whether the user asked for full tracebacks (``HYDRA_FULL_ERROR=1``)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" and not os.environ.get(_SET_BY_RUN)
+
+
+def _report(err: Exception, where: str = "output") -> None:
+    """Exit with one line for a user error; return (the caller re-raises) for a bug or under HYDRA_FULL_ERROR=1."""
+    line = None if full_error() else user_error_line(err, where)
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def entry(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Decorate a Hydra task function (under ``@hydra.main``): its user errors end in one line."""
+
+    @functools.wraps(task)
+    def wrapped(cfg: DictConfig) -> Any:
+        try:
+            return task(cfg)
+        except Exception as err:
+            out = OmegaConf.select(cfg, "output_dir", throw_on_missing=False)
+            _report(err, f"output_dir={out}" if out and not OmegaConf.is_missing(cfg, "output_dir") else "output")
+            raise
+
+    return wrapped
+
+
+def run(main: Callable[[], Any]) -> None:
+    """Call a ``@hydra.main`` entry point; a config error ends in one stderr line and exit status 2."""
+    if full_error():
+        main()
+        return
+    os.environ.update({"HYDRA_FULL_ERROR": "1", _SET_BY_RUN: "1"})  # Hydra re-raises a composition error
+    try:
+        main()
+    except Exception as err:
+        _report(err)
+        raise
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """The run's ``output_dir``: the option when given, else Hydra's run (or sweep job) directory.
+
+    The configs leave ``output_dir`` unset (``???``) by default and point ``hydra.run.dir`` at it
+    when it is given, so Hydra's log and ``.hydra/`` (the resolved config) land beside the run's
+    results either way; this fills the option in for the code that reads it.
+    """
+    if OmegaConf.is_missing(cfg, "output_dir"):
+        cfg.output_dir = HydraConfig.get().runtime.output_dir
+    return Path(cfg.output_dir)
