@@ -7,8 +7,9 @@ across GPU Architectures") reports that TF32 plus a channels-last 3-D layout "re
 against the strict-FP32 row of the same file, so of the same run:
 
 * reduction factors = baseline / stack, for SM cycles and warp instructions summed over the step's kernels;
-* tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step that
-  runs no MMA kernel has 0 % and no ratio: the table then gives the stack's own percentage);
+* tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step runs its
+  convolutions on the FMA pipe: under :data:`MIN_TENSOR_PCT` the baseline gives no ratio, only the stack's
+  own percentage, since a ratio over a rounding-level baseline says nothing);
 * IPC change = stack / baseline - 1.
 
 Then, per stack, where its kernel time goes by category with each category's counters, and ncu's
@@ -47,6 +48,9 @@ def workload_title(row: dict[str, Any]) -> str:
     return f"{row['scenario']} {size}, batch {row['batch_size']}{sampler}"
 
 
+MIN_TENSOR_PCT = 0.1  # tensor-pipe use (%) under which a baseline gives no ratio
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
@@ -57,7 +61,8 @@ def compare(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None
     ipc = _ratio(a["ipc"], b["ipc"])
     return {"time": _ratio(b["duration_ns"], a["duration_ns"]), "sm_cycles": _ratio(b["sm_cycles"], a["sm_cycles"]),
             "inst": _ratio(b["inst_executed"], a["inst_executed"]),
-            "tensor": _ratio(a["tensor_pipe_pct"], b["tensor_pipe_pct"]), "tensor_pct": a["tensor_pipe_pct"],
+            "tensor": _ratio(a["tensor_pipe_pct"], b["tensor_pipe_pct"]) if (b["tensor_pipe_pct"] or 0) >= MIN_TENSOR_PCT
+            else None, "tensor_pct": a["tensor_pipe_pct"],
             "ipc": None if ipc is None else ipc - 1}
 
 

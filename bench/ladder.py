@@ -152,7 +152,7 @@ def _recipes_of(overrides: list[str]) -> DictConfig:
         return compose("bench", overrides=[*overrides, "output_dir=."]).recipe
 
 
-def quality_ladder(best: Stack, checkpoint: str | None) -> Iterator[Job]:
+def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     """The gate's verdict next to the time on the quality model (``experiment=quality_model`` weights, 64^3),
     N = ``quality.n_samples`` (32: 8 masks x 4 seeds) against strict-FP32 DDPM-250, the reference cached for the
     whole ladder. First what proves the gate (strict FP32 with another seed must pass; the negative controls of
@@ -214,7 +214,7 @@ PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
     "gpu": lambda cfg: gpu_ladder(tuple(cfg.best)),
     "core": lambda cfg: core_ladder(tuple(cfg.best)),
     "targets": lambda cfg: targets_ladder(),
-    "quality": lambda cfg: quality_ladder(tuple(cfg.best), cfg.checkpoint),
+    "quality": lambda cfg: quality_ladder(cfg.checkpoint),
     "e2e": lambda cfg: e2e_ladder(),
 }
 

@@ -4,7 +4,7 @@ The profiling run exports a report (``-o``); two imports of that report print th
 so the rule results cost no second replay:
 
 * ``--page raw --csv``: a header row (``"ID"``, ``"Kernel Name"``, ..., one column per metric), a units
-  row (empty ``ID``: ``"cycle"``, ``"inst"``, ``"%"``, ``"nsecond"``), then one row per profiled kernel
+  row (empty ``ID``: ``"cycle"``, ``"inst"``, ``"%"``, ``"ns"`` or ``"nsecond"``), then one row per profiled kernel
   launch. Numbers may carry thousands separators (``"1,234,567"``); a metric the kernel has no value
   for reads ``"n/a"``.
 * ``--page details --csv``: one row per (launch, section, metric), and one per rule result, whose

@@ -160,9 +160,11 @@ def stamp_provenance(path: Path = STAMP_FILE) -> dict[str, Any] | None:
     return {"git_sha": stamp["git_sha"], "dirty": bool(stamp["dirty"] or edited)}
 
 
-@functools.cache
 def provenance() -> dict[str, Any]:
-    """The commit of the code measuring now: git where there is a ``.git``, else the stamp, else unknown."""
+    """The commit of the code measuring now: git where there is a ``.git``, else the stamp, else unknown.
+
+    Asked afresh for every row (one ``git`` call, milliseconds next to a benchmark job): a cached answer would
+    outlive an edit or a commit made while a long-lived process (a Hydra multirun) keeps writing rows."""
     if (ROOT / ".git").exists():
         try:
             return git_provenance()

@@ -256,7 +256,7 @@ def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step],
         with stack.forward_context():
             precision = active_precision(device.type)
         describe = stack.describe()
-        compiles = any(recipe.slow_first_call for recipe in stack.recipes)
+        compiles = stack.slow_first_call
     return _measurements(cfg, device, timings, first_call_s, precision, describe, compiles)
 
 

@@ -43,10 +43,6 @@ HYDRA_FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help"}
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 
 # Commands that are known to be stale, each with the work that fixes it (non-strict: they pass once fixed).
-KNOWN_STALE = {
-    "med_ddpm.evaluate": "med_ddpm.evaluate is being added (issue 31, the quality helper's branch)",
-    "experiment=fast_train data.root=": "experiment=fast_train does not select data=whole_head yet (issue 30)",
-}
 
 
 @dataclass(frozen=True)
@@ -123,10 +119,7 @@ COMMANDS = collect()
 
 
 def as_param(command: Command):
-    """The command as a test case; a known-stale one is expected to fail until its fix lands (non-strict)."""
-    marks = [pytest.mark.xfail(reason=reason, strict=False)
-             for needle, reason in KNOWN_STALE.items() if needle in command.text]
-    return pytest.param(command, id=command.id, marks=marks)
+    return pytest.param(command, id=command.id)
 
 
 def split_module(argv: tuple[str, ...]) -> tuple[str, list[str]]:

@@ -11,8 +11,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
          *sorted((ROOT / "bench" / "results").rglob("README.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# Pages written on other branches of issue 31; the links pass once they land (non-strict).
-PENDING = {"docs/recipes.md", "docs/quality.md", "docs/counters.md", "docs/end-to-end.md", "docs/troubleshooting.md"}
 
 
 def relative_links():
@@ -25,9 +23,7 @@ def relative_links():
 
 
 def as_param(page: str, target: str, resolved: Path):
-    rel = resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else str(resolved)
-    marks = [pytest.mark.xfail(reason=f"{rel} is written on another branch", strict=False)] if rel in PENDING else []
-    return pytest.param(resolved, id=f"{page}->{target}", marks=marks)
+    return pytest.param(resolved, id=f"{page}->{target}")
 
 
 @pytest.mark.parametrize("resolved", [as_param(*link) for link in relative_links()])

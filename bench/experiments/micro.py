@@ -159,7 +159,7 @@ def end_conv_cases(size: int, dtype: torch.dtype, device: torch.device, compile:
         x.requires_grad_(cin == 64)  # the network's input takes no gradient; its last activation does
         yield label, conv, conv, x
         if cout == 1:
-            gemm = functools.partial(gemm_conv_forward, conv=conv, form="col2im")
+            gemm = functools.partial(gemm_conv_forward, conv=conv)
             yield f"{label} via narrow_conv_gemm (col2im)", conv, _compiled(gemm) if compile else gemm, x
 
 

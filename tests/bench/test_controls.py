@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bench.controls import EpsNoise, EpsScale, SkipGroupNorm
-from bench.ladder import DEFAULT_BEST, compose_job, quality_ladder
+from bench.ladder import compose_job, quality_ladder
 from bench.records import job_key, recipe_label
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
@@ -81,7 +81,7 @@ def test_the_gate_end_to_end_on_the_real_configs(overrides, verdict):
 
 
 def test_quality_ladder_runs_controls_and_shipped_stacks_at_n32(tmp_path):
-    jobs = list(quality_ladder(DEFAULT_BEST, str(tmp_path / "quality_model.pt")))
+    jobs = list(quality_ladder(str(tmp_path / "quality_model.pt")))
     rows = [base_row(compose_job(job, tmp_path / str(n))) for n, job in enumerate(jobs)]
     assert len({job_key(r) for r in rows}) == len(rows)
     labels = [recipe_label(r) for r in rows]
@@ -102,7 +102,7 @@ def test_quality_ladder_gates_fast_sample_exactly_as_shipped(tmp_path):
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         shipped = compose("sample", overrides=["experiment=fast_sample", "checkpoint=x.pt"])
-    jobs = list(quality_ladder(DEFAULT_BEST, str(tmp_path / "q.pt")))
+    jobs = list(quality_ladder(str(tmp_path / "q.pt")))
     configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs)]
     assert any(c.get("recipe") == OmegaConf.to_container(shipped.recipe, resolve=True)
                and c["sampler"] == OmegaConf.to_container(shipped.sampler, resolve=True) for c in configs)
@@ -110,7 +110,7 @@ def test_quality_ladder_gates_fast_sample_exactly_as_shipped(tmp_path):
 
 def test_quality_ladder_needs_a_checkpoint():
     with pytest.raises(SystemExit, match="checkpoint=PATH"):
-        list(quality_ladder(DEFAULT_BEST, None))
+        list(quality_ladder(None))
 
 
 

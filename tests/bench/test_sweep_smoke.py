@@ -43,7 +43,7 @@ def test_smoke_sweep_rows_oom_and_added_baseline(smoke):
         assert r["volumes_per_s"] > 0 and r["flops"] > 0 and r["env"]["torch"] and r["message"] == ""
         assert r["config"]["model"]["image_size"] == [8, 8, 8]
     assert (good["precision"], base["precision"]) == ("bf16", "fp32")
-    assert good["describe"]["order"] == ["amp"] and base["describe"]["order"] == []
+    assert good["describe"]["order"] == ["amp_bf16"] and base["describe"]["order"] == []
     assert "out of memory" in oom["message"] and oom["ms_median"] is None
     assert base["config"]["bench"]["inject"] is None  # the added baseline never inherits a fault
 

@@ -33,7 +33,7 @@ def test_the_file_is_keyed_by_recipes_options_and_workload(tmp_path, monkeypatch
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     one = CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1})
     assert one.path == CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1}).path
-    others = [CompileCache.for_run(tmp_path, "sample", stack("max-autotune"), CPU, {"batch": 1}),
+    others = [CompileCache.for_run(tmp_path, "sample", stack("reduce-overhead"), CPU, {"batch": 1}),
               CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 2})]
     assert len({one.path, *(c.path for c in others)}) == 3 and one.path.parent == tmp_path
     assert one.key["torch"] == torch.__version__ and one.key["device"] == "cpu"
