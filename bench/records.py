@@ -50,7 +50,6 @@ wall_s             seconds the job's subprocess took, end to end
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
