@@ -54,6 +54,7 @@ from bench.scenarios import prepared_step
 from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from bench.worker import base_row
+from med_ddpm import cli
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 
@@ -354,6 +355,7 @@ def time_left(budget_s: float | None) -> float:
 
 
 @hydra.main(config_path="../configs", config_name="counters", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     job = {**job_spec(cfg, hc.runtime.choices.get("model") or "model"), "experiment": hc.runtime.choices.get("experiment")}
@@ -377,4 +379,4 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == [STEP_FLAG]:
         sys.exit(profiled_step(Path(sys.argv[2])))
-    main()
+    cli.run(main)

@@ -39,7 +39,7 @@ from bench.records import MEASURED_FIELDS, RESULTS_FILE, append_row, job_key, re
 from bench.sweep import recipe_options
 from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from bench.worker import classify
-from med_ddpm import distributed
+from med_ddpm import cli, distributed
 from med_ddpm.train import CONFIG_DIR, Job, build, train_step
 from med_ddpm.utils import env_info
 
@@ -150,9 +150,10 @@ def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
 
 
 @hydra.main(config_path="../configs", config_name="ddp", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> None:
     measure(cfg, HydraConfig.get().runtime.choices.get("model"))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

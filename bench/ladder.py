@@ -46,6 +46,7 @@ from omegaconf import DictConfig, open_dict
 from bench.records import RESULTS_FILE, append_row, job_key, read_rows
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
+from med_ddpm import cli
 from med_ddpm.utils import git_sha
 
 Stack = tuple[str, ...]
@@ -332,9 +333,10 @@ def run(cfg: DictConfig) -> int:
 
 
 @hydra.main(config_path="../configs", config_name="ladder", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> int:
     return run(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

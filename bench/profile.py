@@ -49,6 +49,7 @@ from bench.records import recipe_label
 from bench.scenarios import prepared_step
 from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
+from med_ddpm import cli
 from med_ddpm.utils import atomic_write_text, resolve_device
 
 NCU = "/usr/local/cuda/bin/ncu"
@@ -246,6 +247,7 @@ def ncu_markdown(record: dict) -> str:
 
 
 @hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
@@ -267,4 +269,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -298,10 +298,12 @@ def check_labels(data: np.ndarray, path: Path, allowed: Sequence[int]) -> np.nda
     values = np.unique(data)
     if not np.array_equal(values, np.round(values)):
         odd = values[values != np.round(values)][:5]
-        raise DataError(f"{path}: mask is not a label map (non-integer values such as {odd.tolist()})")
+        raise DataError(f"{path}: mask is not a label map (non-integer values such as {odd.tolist()}); "
+                        "pass the label mask, not an image")
     unexpected = sorted(set(values.astype(int).tolist()) - set(allowed))
     if unexpected:
-        raise DataError(f"{path}: unexpected mask labels {unexpected} (expected a subset of {list(allowed)})")
+        raise DataError(f"{path}: unexpected mask labels {unexpected} (expected a subset of {list(allowed)}); "
+                        "a BraTS seg needs a BraTS checkpoint or data=brats, a whole-head mask the whole-head model")
     return values.astype(int)
 
 
@@ -335,7 +337,8 @@ def resolve_seg_labels(seg_labels: str, labels: np.ndarray, seg: np.ndarray, t1:
             raise DataError(f"{path}: cannot tell raw BraTS labels from Med-DDPM labels without the t1 volume; "
                             "pass t1_path or set data.seg_labels=raw|medddpm")
     if seg_labels == "raw" and 3 in present:
-        raise DataError(f"{path}: unexpected mask labels [3] for a raw BraTS seg (raw labels are 0, 1, 2, 4)")
+        raise DataError(f"{path}: unexpected mask labels [3] for a raw BraTS seg (raw labels are 0, 1, 2, 4); "
+                        "pass data.seg_labels=medddpm for Med-DDPM's relabelled segs")
     return seg_labels
 
 

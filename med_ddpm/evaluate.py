@@ -38,8 +38,9 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from med_ddpm import cli
 from med_ddpm.data import nifti_stem, read_volume
-from med_ddpm.errors import DataError
+from med_ddpm.errors import ConfigError, DataError, check_choice, check_int
 from med_ddpm.features import FeatureExtractor
 from med_ddpm.gate import json_safe
 from med_ddpm.metrics import MAE, MSSSIM, PSNR, SSIM, frechet_distance
@@ -69,7 +70,7 @@ def list_volumes(folder: str | Path, key: str) -> list[Path]:
         if not path.is_file() or not path.name.endswith(NIFTI_SUFFIXES):
             raise DataError(f"{path}: not a NIfTI file (.nii/.nii.gz); remove it from {key}={folder}")
     if not files:
-        raise DataError(f"{key}={folder}: folder has no .nii/.nii.gz volumes")
+        raise DataError(f"{key}={folder}: folder has no .nii/.nii.gz volumes; point {key}= at a folder of NIfTI volumes")
     return files
 
 
@@ -92,10 +93,10 @@ def scale_intensity(data: np.ndarray, path: Path, intensity: str) -> np.ndarray:
     if intensity == "minmax":
         lo, hi = float(data.min()), float(data.max())
         if hi == lo:
-            raise DataError(f"{path}: volume is constant ({lo}); cannot scale it to [-1, 1]")
+            raise DataError(f"{path}: volume is constant ({lo}); cannot scale it to [-1, 1]; remove it or pass intensity=none")
         return (data - lo) / (hi - lo) * 2 - 1
     if intensity != "none":
-        raise DataError(f"intensity={intensity!r}: expected 'none' or 'minmax'")
+        raise DataError(f"intensity={intensity!r}: unknown; pass intensity=none or intensity=minmax")
     if data.min() < -1.001 or data.max() > 1.001:
         raise DataError(f"{path}: values in [{data.min():.4g}, {data.max():.4g}] are outside [-1, 1]; "
                         "pass intensity=minmax to scale each volume")
@@ -111,10 +112,12 @@ def load_regions(mask_dir: str | Path, files: Sequence[Path], regions: Mapping[s
         stem = nifti_stem(path)
         match = masks.get(stem) or masks.get(re.sub(r"_\d+$", "", stem))
         if match is None:
-            raise DataError(f"{path}: no mask named {stem}.nii.gz (or without its _k suffix) in masks={mask_dir}")
+            raise DataError(f"{path}: no mask named {stem}.nii.gz (or without its _k suffix) in masks={mask_dir}; "
+                            "name each mask like its volume, or leave masks= unset")
         data, _ = read_volume(match, "mask")
         if data.shape != shape:
-            raise DataError(f"{match}: mask shape {data.shape} differs from the volumes' {shape}")
+            raise DataError(f"{match}: mask shape {data.shape} differs from the volumes' {shape}; "
+                            "resample the masks to the volumes' grid")
         labels.append(torch.from_numpy(np.rint(data).astype(np.int16)))
     stacked = torch.stack(labels)[:, None]
     return {name: torch.isin(stacked, torch.tensor(list(values), dtype=torch.int16)) for name, values in regions.items()}
@@ -128,10 +131,10 @@ def distribution_metrics(real: torch.Tensor, generated: torch.Tensor, extractor:
     is_gen = np.r_[np.zeros(len(real), bool), np.ones(len(generated), bool)]
     feats = torch.cat([extractor(v[None]) for v in tqdm(pooled, desc="features", disable=not progress, leave=False)])
     hists = intensity_histograms(pooled, HIST_BINS)
-    out: dict[str, Any] = {"fid": {"value": float(frechet_distance(feats[~is_gen], feats[is_gen]))},
-                           "histogram_w1": {"value": histogram_w1(hists, is_gen, 2.0 / HIST_BINS)}}
-    if min(len(real), len(generated)) < 2:
-        return out
+    out: dict[str, Any] = {"histogram_w1": {"value": histogram_w1(hists, is_gen, 2.0 / HIST_BINS)}}
+    if min(len(real), len(generated)) < 2:  # a covariance and an unbiased MMD need two volumes a side
+        return {"fid": {"value": None, "skipped": "needs >= 2 volumes in each folder"}, **out}
+    out["fid"] = {"value": float(frechet_distance(feats[~is_gen], feats[is_gen]))}
     k_feat, k_vox = polynomial_kernel(feats), linear_kernel(pooled)
     for name, stat in (("kid", lambda b: mmd2_unbiased(k_feat, b)), ("mmd", lambda b: mmd2_unbiased(k_vox, b)),
                        ("histogram_w1", lambda b: histogram_w1(hists, b, 2.0 / HIST_BINS))):
@@ -199,7 +202,11 @@ def save_montage(real: torch.Tensor, generated: torch.Tensor, names: tuple[list[
 def summary_markdown(m: Mapping[str, Any]) -> str:
     """The metrics as a short markdown report."""
     d = m["distribution"]
-    cell = lambda x: f"{x['value']:.4g}" + (f" (p = {x['p_value']:.3g})" if "p_value" in x else "")  # noqa: E731
+    def cell(x: Mapping[str, Any]) -> str:
+        if x["value"] is None:
+            return f"not computed: {x['skipped']}"
+        return f"{x['value']:.4g}" + (f" (p = {x['p_value']:.3g})" if "p_value" in x else "")
+
     lines = [f"# {m['n_generated']} generated vs {m['n_real']} real volumes, shape {m['shape']}", "",
              f"Features: `{m['extractor']['name']}`"
              + (" (random weights: relative numbers, comparable only with the same extractor)."
@@ -216,6 +223,17 @@ def summary_markdown(m: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- entry point
+def check_options(cfg: DictConfig) -> None:
+    """The counts and choices, refused before any volume is read."""
+    check_choice(cfg, "intensity", ("none", "minmax"))
+    check_int(cfg, "n_perm", 1)
+    check_int(cfg, "max_pairs", 1)
+    check_int(cfg, "ssim_kernel", 1)
+    if not (OmegaConf.is_dict(cfg.extractor) and "_target_" in cfg.extractor):
+        raise ConfigError(f"extractor={cfg.extractor!r}: not a feature extractor config; pass "
+                          "extractor={_target_: med_ddpm.features.RandomConv3dFeatures} or see configs/evaluate.yaml")
+
+
 def evaluate(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Read both folders (and masks), compute every metric, write metrics.json, summary.md, montage.png."""
     from hydra.utils import instantiate
@@ -256,11 +274,14 @@ def evaluate(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="evaluate", version_base="1.3")
+@cli.entry
 def main(cfg: DictConfig) -> None:
-    metrics = evaluate(OmegaConf.to_container(cfg, resolve=True))
+    out = cli.output_dir(cfg)
+    check_options(cfg)
+    metrics = evaluate(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     print(summary_markdown(metrics), end="")
-    print(f"metrics.json, summary.md and montage.png in {Path(cfg.output_dir).resolve()}")
+    print(f"metrics.json, summary.md and montage.png in {out.resolve()}")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

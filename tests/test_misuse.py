@@ -36,13 +36,14 @@ from med_ddpm import utils as med_utils
 from med_ddpm.phantoms import write_phantom_niftis
 
 sample = importlib.import_module("med_ddpm.sample")  # the command; med_ddpm.sample is the API function
+evaluate = importlib.import_module("med_ddpm.evaluate")
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = str(REPO / "configs")
 # A 2-level net on 8^3: the real code path in about a second per step on a 2-core CPU.
 TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "device=cpu"]
 QUIET = {"train": ["train.progress=false", "train.grad_accum=1"], "sample": ["progress=false"],
-         "bench": ["experiment=bench_smoke"]}
+         "bench": ["experiment=bench_smoke"], "evaluate": ["progress=false"]}
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Slip:
     """One row of tests/misuse.yaml: a command, its overrides, the exit status and the pattern of the
     line after ``error: ``."""
 
-    command: str  # train | sample | bench
+    command: str  # train | sample | bench | evaluate
     id: str
     overrides: str  # space-separated
     error: str
@@ -66,10 +67,10 @@ SLIPS = [Slip(**row) for row in yaml.safe_load((Path(__file__).with_name("misuse
 
 
 def compose_cfg(command: str, overrides: list[str], out: Path | None = None):
-    name = {"train": "train", "sample": "sample", "bench": "bench"}[command]
+    name = {"train": "train", "sample": "sample", "bench": "bench", "evaluate": "evaluate"}[command]
     extra = [f"output_dir={out}"] if out is not None else []
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return compose(config_name=name, overrides=[*TINY, *QUIET[command], *extra, *overrides])
+        return compose(config_name=name, overrides=[*(TINY if command != "evaluate" else []), *QUIET[command], *extra, *overrides])
 
 
 def refusal(capsys, call, *args, status: int = 2) -> str:
@@ -90,7 +91,8 @@ def composed_or_refused(capsys, slip: Slip, overrides: list[str], out: Path) -> 
         line = cli.user_error_line(err)
         assert line is not None and "\n" not in line and slip.status == 2, str(err)
         return line
-    check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options)}[slip.command]
+    check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options),
+             "evaluate": evaluate.main}[slip.command]
     return refusal(capsys, check, cfg, status=slip.status)
 
 
@@ -200,7 +202,7 @@ def test_brats_masks_for_a_whole_head_checkpoint(checkpoint, tmp_path, capsys):
     write_phantom_niftis(tmp_path / "brats", 1, (8, 8, 8), variant="brats")
     seg = next((tmp_path / "brats").rglob("*seg*.nii.gz"))
     line = refusal(capsys, sample.main, sample_cfg(checkpoint, tmp_path / "out", f"masks={seg}"))
-    assert re.search(rf"{seg.name}: unexpected mask labels \[4\] \(expected a subset of \[0, 1, 2\]\)", line)
+    assert re.search(rf"{seg.name}: unexpected mask labels \[4\] \(expected a subset of \[0, 1, 2\]\); a BraTS seg needs", line)
 
 
 def test_masks_of_mixed_sizes_each_get_their_own_size(checkpoint, tmp_path):

@@ -141,3 +141,14 @@ def test_the_command_as_documented(folders, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "metrics.json" in done.stdout and (out / "metrics.json").is_file()
+
+
+def test_one_volume_a_side_skips_what_needs_two(folders, tmp_path, whole_head):
+    """A covariance (FID) and an unbiased MMD need two volumes a side: with one, the report says so and the
+    paired metrics are still computed (the shared data folder holds one image)."""
+    image, _ = whole_head
+    _write(tmp_path / "one", "sample_3.nii.gz", image)
+    m = evaluate(_cfg(tmp_path, f"real={tmp_path / 'one'}", f"generated={tmp_path / 'one'}", "intensity=minmax"))
+    assert m["distribution"]["fid"] == {"value": None, "skipped": "needs >= 2 volumes in each folder"}
+    assert "kid" not in m["distribution"] and m["paired"]["n"] == 1 and m["paired"]["ssim"] == pytest.approx(1.0)
+    assert "not computed: needs >= 2 volumes" in (tmp_path / "out" / "summary.md").read_text()
