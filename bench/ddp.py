@@ -10,8 +10,9 @@ memory, so the input pipeline is not measured. Rank 0 appends one ``results.json
 * ``volumes_per_s`` = world·batch·grad_accum / step time (all GPUs), ``volumes_per_s_per_gpu``;
 * ``scaling_efficiency`` = volumes_per_s / (world · 1-process volumes/s). The 1-process figure
   is ``ddp.baseline`` (volumes/s) or, by default, the latest ``world_size=1`` row of the same
-  workload in the results file: run ``--nproc_per_node=1`` first. A world of one is its own
-  baseline (DDP of one process: the wrapper's overhead is in it).
+  workload in the results file: run ``--nproc_per_node=1`` first. That is another launch, so the row's
+  ``baseline_source`` names its run id and commit. A world of one is its own baseline (DDP of one process:
+  the wrapper's overhead is in it).
 
 Example (one node; ``configs/ddp.yaml`` is the training config plus ``ddp.*``, so the overrides are the
 training ones):
@@ -78,13 +79,18 @@ def time_ranks(job: Job, warmup: int, iters: int) -> dict[str, Any]:
             "peak_mem_gib": peak_memory_gib(job.device)}
 
 
-def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> float | None:
-    """Per-GPU volumes/s of the latest ok 1-process row of the same workload in ``path``."""
+def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """Per-GPU volumes/s of the latest ok 1-process row of the same workload in ``path``, and where it comes from.
+
+    A world of N and a world of one are two torchrun launches, so this baseline is always from another run: the
+    row records that run's id and commit (``baseline_source``) and the report labels the efficiency with it."""
     if not path.exists():
-        return None
+        return None, None
     same = [r for r in read_rows(path) if r.get("scenario") == SCENARIO and r.get("status") == "ok"
             and r.get("world_size") == 1 and r.get("grad_accum") == row["grad_accum"] and job_key(r) == job_key(row)]
-    return same[-1]["volumes_per_s"] if same else None
+    if not same:
+        return None, None
+    return same[-1]["volumes_per_s"], {"run_id": same[-1].get("run_id"), "git_sha": same[-1].get("git_sha")}
 
 
 def base_row(cfg, model_name: str | None, world: int) -> dict[str, Any]:
@@ -137,9 +143,14 @@ def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
         raise
     ranks = distributed.all_gather_object(mine)
     if distributed.is_main():
-        baseline = opts.baseline if opts.baseline is not None else baseline_volumes_per_s(results, row)
+        if opts.baseline is not None:
+            baseline, source = opts.baseline, "ddp.baseline"
+        elif world == 1:
+            baseline, source = None, "this run"
+        else:
+            baseline, source = baseline_volumes_per_s(results, row)
         row.update(measurements(cfg, ranks, world, baseline, opts.iters, opts.warmup), status="ok",
-                   wall_s=time.perf_counter() - start)
+                   wall_s=time.perf_counter() - start, baseline_source=source)
         append_row(results, row)
         eff = row["scaling_efficiency"]
         print(f"{SCENARIO} world={world}: {row['ms_median']:.1f} ms/step, {row['volumes_per_s_per_gpu']:.2f} "

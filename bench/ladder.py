@@ -43,11 +43,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
-from bench.records import RESULTS_FILE, append_row, job_key, read_rows
+from bench.records import RESULTS_FILE, append_row, job_key, provenance, read_rows
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
-from med_ddpm.utils import git_sha
 
 Stack = tuple[str, ...]
 Job = list[str]  # Hydra overrides of configs/bench.yaml
@@ -248,16 +247,16 @@ def missing_recipes(overrides: Job) -> list[str]:
 
 
 def finished_jobs(out: Path, refresh: str | None) -> tuple[set[str], set[str]]:
-    """Job keys with a row in ``out``: any row, and rows measured by this code (``git_sha``).
+    """Job keys with a row in ``out``: any row, and rows measured by this commit (the rows' ``git_sha``).
 
     ``refresh`` jobs count as done only with a row of this code, so after a code change
     ``refresh=REGEX`` re-measures the jobs it names (old rows stay, each labelled with its
     commit in the report) and a resumed run does not measure them twice.
     """
     rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
-    sha = git_sha()
+    sha = provenance()["git_sha"]
     return ({job_key(r) for r in rows},
-            {job_key(r) for r in rows if refresh and (r.get("env") or {}).get("git_sha") == sha})
+            {job_key(r) for r in rows if refresh and r.get("git_sha") == sha})
 
 
 def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False, refresh: str | None = None,

@@ -92,28 +92,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def git_sha() -> str:
-    """The repository's HEAD commit (with ``-dirty``); ``$MED_DDPM_GIT_SHA`` where there is no checkout
-    (a copied tree on a GPU machine), else ``unknown``."""
-    if os.environ.get("MED_DDPM_GIT_SHA"):
-        return os.environ["MED_DDPM_GIT_SHA"]
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
-
-
 def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(
@@ -128,7 +106,9 @@ def _nvidia_driver() -> str | None:
 
 
 def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
-    """Everything a timing needs next to it to be comparable: GPU, driver, CUDA, cuDNN, versions, host."""
+    """Everything a timing needs next to it to be comparable: GPU, driver, CUDA, cuDNN, versions, host.
+
+    The commit is not here: :func:`bench.records.append_row` stamps every row with it (``git_sha``, ``dirty``)."""
     try:
         import monai
 
@@ -143,7 +123,6 @@ def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "monai": monai_version,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "git_sha": git_sha(),
         "cpu_threads": torch.get_num_threads(),
         "device": str(device) if device is not None else None,
     }

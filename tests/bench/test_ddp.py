@@ -28,6 +28,7 @@ def test_ddp_bench_writes_a_scaling_row(tmp_path):
     assert set(MEASURED_FIELDS) <= row.keys() and len(row["ms_median_per_rank"]) == 2
     assert row["volumes_per_s"] == pytest.approx(2 * row["volumes_per_s_per_gpu"])
     assert row["scaling_efficiency"] == pytest.approx(row["volumes_per_s"] / (2 * 2.0))
+    assert row["baseline_source"] == "ddp.baseline"
     assert row["env"]["torch"] and row["config"]["train"]["batch_size"] == 1
 
 
@@ -43,5 +44,7 @@ def test_rows_record_recipe_options_and_baselines_match_them(tmp_path):
     assert plain["recipe_options"] == [] and guarded["recipe_options"] == ['fused_adam.guard="device"']
     old = {k: v for k, v in plain.items() if k != "recipe_options"}  # a row written before this field existed
     append_row(tmp_path / "results.jsonl", old | {"status": "ok", "volumes_per_s": 3.0})
-    assert baseline_volumes_per_s(tmp_path / "results.jsonl", plain) == 3.0
-    assert baseline_volumes_per_s(tmp_path / "results.jsonl", guarded) is None
+    value, source = baseline_volumes_per_s(tmp_path / "results.jsonl", plain)
+    (written,) = read_rows(tmp_path / "results.jsonl")
+    assert value == 3.0 and source == {"run_id": written["run_id"], "git_sha": written["git_sha"]}  # another launch
+    assert baseline_volumes_per_s(tmp_path / "results.jsonl", guarded) == (None, None)

@@ -79,10 +79,9 @@ def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monke
 
     jobs = jobs_of("smoke", tmp_path)
     for n, job in enumerate(jobs):
-        row = {**base_row(compose_job(job, tmp_path / str(n))), "status": "ok", "message": "",
-               "env": {"git_sha": "old"}}
+        row = {**base_row(compose_job(job, tmp_path / str(n))), "status": "ok", "message": "", "git_sha": "old"}
         append_row(tmp_path / RESULTS_FILE, row)
-    monkeypatch.setenv("MED_DDPM_GIT_SHA", "new")
+    monkeypatch.setattr("bench.ladder.provenance", lambda: {"git_sha": "new", "dirty": False})
 
     def todo(refresh):
         capsys.readouterr()
@@ -93,7 +92,7 @@ def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monke
     named = [" ".join(job) for job in jobs if "batch_size=2" in " ".join(job)]
     assert named and todo("batch_size=2") == [f"[todo] {j}" for j in named]
     first = next(job for job in jobs if "batch_size=2" in " ".join(job))
-    row = {**base_row(compose_job(first, tmp_path / "x")), "status": "ok", "message": "", "env": {"git_sha": "new"}}
+    row = {**base_row(compose_job(first, tmp_path / "x")), "status": "ok", "message": "", "git_sha": "new"}
     append_row(tmp_path / RESULTS_FILE, row)
     assert len(todo("batch_size=2")) == len(named) - 1
 
