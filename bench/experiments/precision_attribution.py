@@ -15,8 +15,8 @@ error is the relative L2 of ε and the per-sample slope of ε on the FP32 ε (a 
 :mod:`med_ddpm.gate`). The remainder not explained by any group is accumulation across groups.
 
 Example (CPU, the tiny model, seeded random weights):
-    python -m bench.precision_attribution model=tiny device=cpu n=2
-    python -m bench.precision_attribution model=quality_model checkpoint=runs/quality_model/checkpoints/last.pt dtype=bfloat16
+    python -m bench.experiments.precision_attribution model=tiny device=cpu n=2
+    python -m bench.experiments.precision_attribution model=quality_model checkpoint=runs/quality_model/checkpoints/last.pt dtype=bfloat16
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv: list[str]) -> int:
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     known = {"model", "checkpoint", "device", "n", "dtype", "out"}
     if len(args) != len(argv) or set(args) - known:
-        raise SystemExit(f"bench.precision_attribution: arguments are key=value with keys {sorted(known)}")
+        raise SystemExit(f"bench.experiments.precision_attribution: arguments are key=value with keys {sorted(known)}")
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 

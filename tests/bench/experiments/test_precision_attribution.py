@@ -1,4 +1,4 @@
-"""bench.precision_attribution on the tiny model (CPU bf16 autocast): every group is measured both ways, an fp32
+"""bench.experiments.precision_attribution on the tiny model (CPU bf16 autocast): every group is measured both ways, an fp32
 island restores the module, and keeping the convolutions in float32 removes most of the error."""
 
 import json
@@ -6,7 +6,14 @@ import json
 import pytest
 import torch
 
-from bench.precision_attribution import GROUPS, attribute, autocast_except, members, probe_inputs, table
+from bench.experiments.precision_attribution import (
+    GROUPS,
+    attribute,
+    autocast_except,
+    members,
+    probe_inputs,
+    table,
+)
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
 from med_ddpm.quality import randomize_zero_init
