@@ -346,7 +346,8 @@ def cap_memory(device: torch.device, gib: float | None) -> None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
     if not 0 < gib * 2**30 <= total:
-        raise ValueError(f"train.memory_cap_gib={gib} must be in (0, {total / 2**30:.1f}], this GPU's memory in GiB")
+        raise ConfigError(f"train.memory_cap_gib={gib}: must be in (0, {total / 2**30:.1f}], this GPU's memory in GiB; "
+                          "pass a smaller train.memory_cap_gib=")
     index = torch.cuda.current_device() if device.index is None else device.index
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
 
