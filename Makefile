@@ -27,11 +27,11 @@ install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) 
 test: $(STAMP) ## run the fast CPU test suite (gpu/slow deselected); fails if no test runs
 	$(BIN)/python -m pytest -q
 
-test-gpu: $(STAMP) ## run the GPU-marked tests that fit one 10-minute call (on a CUDA machine); slow ones: make test-gpu-slow
-	$(BIN)/python -m pytest -q -m 'gpu and not slow'
+test-gpu: $(STAMP) ## run the GPU tests that fit one 10-minute device call (on a CUDA machine)
+	$(BIN)/python -m pytest -q -m gpu
 
-test-gpu-slow: $(STAMP) ## run the long GPU-marked tests (compiled 128^3 stacks)
-	$(BIN)/python -m pytest -q -m 'gpu and slow'
+test-gpu-long: $(STAMP) ## run the long GPU tests (compiled 128^3 stacks), a call of their own
+	$(BIN)/python -m pytest -q -m gpu_long
 
 test-slow: $(STAMP) ## run the slow tests
 	$(BIN)/python -m pytest -q -m slow
@@ -72,4 +72,4 @@ report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=.
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache
 
-.PHONY: help install test test-gpu test-gpu-slow test-slow lint demo bench-smoke stamp bench profile counters report clean
+.PHONY: help install test test-gpu test-gpu-long test-slow lint demo bench-smoke stamp bench profile counters report clean

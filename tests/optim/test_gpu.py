@@ -3,10 +3,10 @@ combinations run a 128³ whole-head training step and two sampling steps, and th
 matches the strict-FP32 baseline on CUDA; the Triton GroupNorm kernel matches the torch reference
 across shapes, layouts and dtypes; the compiled kernel forms keep their layouts.
 
-Cost: ``pytest -m "gpu and not slow"`` is sized for one device call (eager 128³ steps take seconds, each
-compile of the tiny model tens of seconds). Every 128³ step under ``compile`` (about 90 s of compilation
-each on the H200), the compiled combinations of the tiny model and the two-compile dense-gradient check are
-also marked ``slow``: ``pytest -m "gpu and slow"`` runs them in a second call.
+Cost: ``pytest -m gpu`` is sized for one device call (eager 128³ steps take seconds, each compile of the
+tiny model tens of seconds). Every 128³ step under ``compile`` (about 90 s of compilation each on the H200),
+the compiled combinations of the tiny model and the two-compile dense-gradient check are marked ``gpu_long``
+instead: ``pytest -m gpu_long`` runs them in a second call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conftest import RECIPE_DIR, float32_buffers, stack_of, tiny_batch, tiny_une
 from med_ddpm.model import UNet3D
 from optim import RecipeStack
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 WHOLE_HEAD = dict(in_channels=3, out_channels=1, model_channels=64, channel_mult=(1, 1, 2, 3, 4),
                   num_res_blocks=1, attention_ds=(8,), num_heads=1, dropout=0.0)
 COMBOS = [["tf32", "channels_last_3d"], ["amp_bf16", "channels_last_3d"], ["amp_bf16", "compile"],
@@ -34,7 +34,7 @@ def _compiles(names: list[str]) -> bool:
 
 
 def _sets(slow_when) -> list:
-    return [pytest.param(s, id="+".join(s), marks=[pytest.mark.slow] if slow_when(s) else []) for s in SETS]
+    return [pytest.param(s, id="+".join(s), marks=[pytest.mark.gpu_long] if slow_when(s) else [pytest.mark.gpu]) for s in SETS]
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +100,7 @@ def test_tiny_step_matches_baseline_on_gpu(names: list[str], tiny_baseline) -> N
 SHAPES = [(1, 64, 32, 32, 32), (1, 64, 4096), (3, 96, 5, 6, 7)]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["ncdhw", "ndhwc"])
@@ -121,6 +122,7 @@ def test_triton_groupnorm_matches_reference(shape, dtype, channels_last, silu) -
     torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=tol, atol=tol * 4)
 
 
+@pytest.mark.gpu
 def test_fused_groupnorm_triton_backward_matches_torch() -> None:
     from optim.fused_groupnorm import FusedGroupNormAct
 
@@ -158,6 +160,7 @@ def _conv_output_strides(layout_optimization) -> list[tuple[int, ...]]:
     return [tuple(int(s) for s in strides.split(",") if s.strip()) for strides in found]
 
 
+@pytest.mark.gpu
 def test_compile_keeps_ndhwc_convolutions_only_with_layout_optimisation_off() -> None:
     """The cause of cuDNN's layout conversions under compile: with inductor's (2-D only) layout
     optimisation on, 3-D convs run NCDHW; ``auto`` (off for NDHWC weights) keeps them NDHWC."""
@@ -167,6 +170,7 @@ def test_compile_keeps_ndhwc_convolutions_only_with_layout_optimisation_off() ->
     assert any(s != ndhwc for s in _conv_output_strides(True)), "inductor now keeps 3-D NDHWC: auto can go"
 
 
+@pytest.mark.gpu
 def test_sdpa_core_runs_med_ddpm_attention_on_the_flash_kernel() -> None:
     """Med-DDPM's q, k, v are transposed views of the qkv conv output; restricted to flash, SDPA
     raises on them unless the core hands it unit-stride channels (else: float32 math fallback)."""
@@ -187,6 +191,7 @@ def _kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+@pytest.mark.gpu
 def test_narrow_conv_gemm_compiled_matches_cudnn_without_layout_conversions() -> None:
     """Med-DDPM's 64 -> 1 output conv in bf16 NDHWC, compiled as the network runs it: the GEMM form agrees with
     cuDNN's conv (forward and weight gradient) and launches no NCDHW<->NDHWC conversion."""
@@ -210,6 +215,7 @@ def test_narrow_conv_gemm_compiled_matches_cudnn_without_layout_conversions() ->
     assert not [n for n in names if "nchwToNhwc" in n or "nhwcToNchw" in n], names
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("channels_last", [False, True], ids=["ncdhw", "ndhwc"])
 def test_gather_upsample_backward_matches_cuda_kernel(channels_last: bool) -> None:
     """The closed-form gather against PyTorch's atomic CUDA backward, at a decoder shape, both layouts."""
@@ -235,7 +241,7 @@ def _copies_under_conv_backward(fn) -> int:
                        for b in backward))
 
 
-@pytest.mark.slow
+@pytest.mark.gpu_long
 def test_dense_conv_grads_moves_the_gradient_copies_out_of_compiled_convolution_backward() -> None:
     """The compiled channels-last bf16 train step of the tiny U-Net at 32³: the recipe moves most of the copies
     cuDNN's convolution backward makes out of the call (to a quarter or fewer), and the gradients are
@@ -262,6 +268,7 @@ def test_dense_conv_grads_moves_the_gradient_copies_out_of_compiled_convolution_
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=2e-2 * grads[0].abs().max().item())
 
 
+@pytest.mark.gpu
 def test_groupnorm_closed_form_backward_compiles_without_a_float32_intermediate() -> None:
     """bf16 NDHWC GroupNorm + SiLU, 128 channels at 32³, compiled with realize_reads_threshold 6: the
     closed-form backward allocates no full-size float32 buffer (autograd's form did on the CPU), and its
