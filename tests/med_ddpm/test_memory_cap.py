@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from med_ddpm.errors import ConfigError
 from med_ddpm.train import cap_memory
 
 
@@ -34,5 +35,5 @@ def test_no_cap_and_cpu_runs_set_nothing(h200):
 
 @pytest.mark.parametrize("gib", [0, 200])
 def test_a_cap_the_gpu_cannot_give_names_the_option(h200, gib):
-    with pytest.raises(ValueError, match=rf"train.memory_cap_gib={gib} must be in \(0, 140.0\]"):
+    with pytest.raises(ConfigError, match=rf"train.memory_cap_gib={gib}: must be in \(0, 140.0\], .*; pass a smaller"):
         cap_memory(torch.device("cuda"), gib)
