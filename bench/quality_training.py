@@ -177,13 +177,12 @@ def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path
     return run_ladder(out, jobs, budget_s - (time.monotonic() - start), complete_baselines=False)
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: Sequence[str]) -> dict[str, Any]:
+    """The command line as :func:`run`'s keyword arguments; a bad option exits with one line."""
     own = {k: v for k, _, v in (a.partition("=") for a in argv) if k in OWN_KEYS}
     if "out" not in own:
-        print("usage: python -m bench.quality_training out=DIR [steps=1000] [experiment=fast_train] "
-              "[runs=runs/quality_training] [budget_s=S] [HYDRA_OVERRIDE ...]", file=sys.stderr)
-        return 2
-    overrides = [a for a in argv if a.partition("=")[0] not in OWN_KEYS]
+        raise SystemExit("usage: python -m bench.quality_training out=DIR [steps=1000] [experiment=fast_train] "
+                         "[runs=runs/quality_training] [budget_s=S] [HYDRA_OVERRIDE ...]")
     try:
         steps, budget_s = int(own.get("steps", 1000)), float(own.get("budget_s", math.inf))
     except ValueError:
@@ -191,8 +190,13 @@ def main(argv: list[str]) -> int:
                          "be a whole number, budget_s a number of seconds") from None
     if steps < 1:
         raise SystemExit(f"bench.quality_training: steps={steps} must be at least 1")
-    return run(Path(own["out"]), steps, own.get("experiment", "fast_train"),
-               Path(own.get("runs", "runs/quality_training")), budget_s, overrides)
+    return {"out": Path(own["out"]), "steps": steps, "experiment": own.get("experiment", "fast_train"),
+            "runs": Path(own.get("runs", "runs/quality_training")), "budget_s": budget_s,
+            "overrides": [a for a in argv if a.partition("=")[0] not in OWN_KEYS]}
+
+
+def main(argv: list[str]) -> int:
+    return run(**parse_args(argv))
 
 
 if __name__ == "__main__":

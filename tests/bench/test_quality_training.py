@@ -54,6 +54,8 @@ def test_overrides_are_routed_and_the_gate_job_composes(tmp_path):
 
 
 def test_bad_options_are_one_line_errors(tmp_path):
+    with pytest.raises(SystemExit, match="usage: python -m bench.quality_training out=DIR"):
+        main(["steps=10"])
     with pytest.raises(SystemExit, match="steps=many"):
         main([f"out={tmp_path}", "steps=many"])
     with pytest.raises(SystemExit, match="experiment=nope has no configs/experiment/nope.yaml"):
