@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from bench.ladder import compose_job, quality_pair_ladder
-from bench.quality_training import compare_losses, main, split_overrides, training_commands
+from bench.quality_training import compare_losses, loss_curve, main, split_overrides, training_commands
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 # the tiny net cut to 8^3 and a 4-step schedule: two CPU trainings and an N = 8 gate in seconds
@@ -68,6 +68,12 @@ def test_loss_comparison_is_paired_over_the_tail():
     assert summary["fp32"]["tail_mean_loss"] == pytest.approx(0.2)  # the last quarter: step 4
     assert summary["fast"]["tail_mean_difference"] == pytest.approx(0.1)
     assert "tail_mean_difference" not in summary["fp32"]
+
+
+def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
+    lines = [{"step": 10, "loss": 0.5}, {"step": 20, "loss": 0.4}, {"step": 20, "loss": 0.3}]
+    (tmp_path / "loss.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 3')  # a torn line
+    assert loss_curve(tmp_path) == ([10, 20], [0.5, 0.3])
 
 
 @pytest.mark.slow
