@@ -15,7 +15,8 @@ so the same initial weights, data order and every (t, ε) draw; batch 4 x grad_a
   as the reference, the stack run's EMA weights as the candidate (``quality.candidate_checkpoint``), both
   strict-FP32 DDPM with the same masks and noise, so only the weights differ.
 
-Example (one 10-minute H200 call holds 1000 steps each; the quality model itself trains 3000):
+Example (1000 steps each: the quality model's own 3000, twice, would not fit one 10-minute device call; a call
+cut by ``budget_s`` is finished by running the same command again):
     python -m bench.quality_training out=bench/results/h200/quality/training steps=1000 budget_s=560
 
 Options: ``out=DIR`` (required), ``steps=N`` (1000), ``experiment=NAME`` (fast_train), ``runs=DIR`` (the two
@@ -80,8 +81,10 @@ def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None) -
     if finished(run, steps):
         return "done"
     run.mkdir(parents=True, exist_ok=True)
+    print(f"[train] {run.name}: to step {steps}, log in {run / 'train.log'}", flush=True)
     code, wall, tail = spawn(argv, run.parent / "cache", run / "train.log", timeout_s)
-    print(f"[train] {' '.join(argv[1:])}: {'timed out' if code is None else f'exit {code}'} after {wall:.0f} s")
+    print(f"[train] {' '.join(argv[1:])}: {'timed out' if code is None else f'exit {code}'} after {wall:.0f} s",
+          flush=True)
     if code is None:
         return "cut"
     if code != 0 or not finished(run, steps):
