@@ -16,8 +16,9 @@ or by hand::
     report = QualityGate(load_thresholds(), device=device).run(ref, cand)   # -> verdict pass|warn|fail
 
 The N samples are ``quality.n_masks`` synthetic phantom masks x N / n_masks noise draws each, one
-batch. Both runs share the weights and the masks; with the same ``seed`` they share x_T and every
-per-step noise field too (paired). Noise is drawn in float32 on the CPU from seeds and only then
+batch. Both runs share the masks, and the weights unless ``quality.candidate_checkpoint`` gives the
+candidate its own (two trained models, both strict FP32); with the same ``seed`` they share x_T and
+every per-step noise field too (paired). Noise is drawn in float32 on the CPU from seeds and only then
 moved to the device, so neither memory layout nor autocast dtype can change it. What the gate
 judges, and how, is in :mod:`med_ddpm.gate`. This module takes callables only; it knows nothing
 about bench or recipe internals.
