@@ -182,6 +182,19 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
            "+sampler.clip_denoised=false", "recipe=[]"]
 
 
+def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterator[Job]:
+    """Two checkpoints of the quality model gated against each other (``quality.candidate_checkpoint``): the
+    reference's EMA weights and the candidate's, both strict-FP32 DDPM-250 with the same N masks and noise, so
+    only the weights differ. The row's time is the reference's FP32 forward. ``bench.quality_training`` trains
+    such a pair (strict FP32 and ``experiment=fast_train``'s stack) and gates it with this preset."""
+    if reference is None or candidate is None:
+        raise SystemExit("bench.ladder preset=quality_pair needs checkpoint=PATH (the reference's weights) and "
+                         "candidate_checkpoint=PATH")
+    yield ["model=quality_model", "bench=denoise_step", "bench.batch_size=4", "bench.warmup=1", "bench.iters=3",
+           "recipe=[]", "sampler=ddpm", "bench.quality=true", f"bench.checkpoint={reference}",
+           f"quality.candidate_checkpoint={candidate}"]
+
+
 def smoke_ladder(best: Stack) -> Iterator[Job]:
     """The same shape on the tiny CPU model: both step scenarios, two stacks, two batch sizes."""
     for scenario in ("train_step", "denoise_step"):
@@ -215,6 +228,7 @@ PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
     "core": lambda cfg: core_ladder(tuple(cfg.best)),
     "targets": lambda cfg: targets_ladder(),
     "quality": lambda cfg: quality_ladder(cfg.checkpoint),
+    "quality_pair": lambda cfg: quality_pair_ladder(cfg.checkpoint, cfg.candidate_checkpoint),
     "e2e": lambda cfg: e2e_ladder(),
 }
 

@@ -16,8 +16,9 @@ or by hand::
     report = QualityGate(load_thresholds(), device=device).run(ref, cand)   # -> verdict pass|warn|fail
 
 The N samples are ``quality.n_masks`` synthetic phantom masks x N / n_masks noise draws each, one
-batch. Both runs share the weights and the masks; with the same ``seed`` they share x_T and every
-per-step noise field too (paired). Noise is drawn in float32 on the CPU from seeds and only then
+batch. Both runs share the masks, and the weights unless ``quality.candidate_checkpoint`` gives the
+candidate its own (two trained models, both strict FP32); with the same ``seed`` they share x_T and
+every per-step noise field too (paired). Noise is drawn in float32 on the CPU from seeds and only then
 moved to the device, so neither memory layout nor autocast dtype can change it. What the gate
 judges, and how, is in :mod:`med_ddpm.gate`. This module takes callables only; it knows nothing
 about bench or recipe internals.
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from med_ddpm.errors import ConfigError
 from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun, json_safe
 from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
 from med_ddpm.utils import atomic_save
@@ -185,6 +187,9 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     ``quality.n_samples``: ``quality.n_masks`` phantom masks, N / n_masks noise draws each. The
     reference uses noise ``seed``; the candidate ``quality.candidate_seed`` (null: the same, so the
     runs are paired). ``quality.trajectory=false`` probes the candidate's ε only (drift checks).
+    ``quality.candidate_checkpoint``: the candidate arm is that checkpoint's weights, run exactly as
+    the reference (strict FP32, DDPM, same masks and probes), so the gate compares two trained models.
+    The report names both checkpoints.
     """
     from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
     from optim import RecipeStack
@@ -202,6 +207,8 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     ddpm.set_timesteps(T)
     shape = (n, model.out_channels, *cond.shape[2:])
     q["cond_layout"] = variant
+    other = q.get("candidate_checkpoint")
+    other_net = candidate_weights(cfg, other, model, schedule) if other else None  # refused before any run
 
     def strict_reference() -> TrajectoryRun:
         with RecipeStack([]).session():
@@ -210,19 +217,61 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     key = {"cfg": {k: cfg.get(k) for k in ("model", "diffusion", "seed")}, "n": n, "n_masks": q["n_masks"],
            "device": device.type, "checkpoint": _file_identity(checkpoint)}
     reference = _cached(q.get("cache_dir"), key, strict_reference)
-    stack = RecipeStack.from_config(cfg.get("recipe"))
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
+    noise = fixed_noise(shape, T, cand_seed, device) if q.get("trajectory", True) else None
+    if other_net is not None:
+        with RecipeStack([]).session():
+            candidate = (probe_run(other_net, reference, device) if noise is None else
+                         run_trajectory(other_net, ddpm, cond, noise, probe_inputs=reference.probe_inputs))
+    else:
+        candidate = stack_candidate(cfg, model, schedule, reference, cond, noise)
+    report = QualityGate(q, device=device).run(reference, candidate)
+    report.context["checkpoints"] = {"reference": checkpoint, "candidate": other or checkpoint}
+    return report
+
+
+def stack_candidate(cfg: Mapping[str, Any], model: torch.nn.Module, schedule, reference: TrajectoryRun,
+                    cond: torch.Tensor, noise: FixedNoise | None) -> TrajectoryRun:
+    """The candidate arm of a recipe gate: the reference's weights under ``cfg``'s stack and sampler
+    (``noise`` None: probe-only)."""
+    from optim import RecipeStack
+
+    stack = RecipeStack.from_config(cfg.get("recipe"))
     with stack.session():
         fast = stack.prepare_model(copy.deepcopy(model))
         model_fn = lambda x, t: fast(stack.prepare_input(x), t)  # noqa: E731
-        if q.get("trajectory", True):
-            sampler = sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule)
-            noise = fixed_noise(shape, T, cand_seed, device)
-            candidate = run_trajectory(model_fn, sampler, cond, noise, probe_inputs=reference.probe_inputs,
-                                       forward_context=stack.forward_context)
-        else:
-            candidate = probe_run(model_fn, reference, device, forward_context=stack.forward_context)
-    return QualityGate(q, device=device).run(reference, candidate)
+        if noise is None:
+            return probe_run(model_fn, reference, cond.device, forward_context=stack.forward_context)
+        sampler = sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule)
+        return run_trajectory(model_fn, sampler, cond, noise, probe_inputs=reference.probe_inputs,
+                              forward_context=stack.forward_context)
+
+
+def candidate_weights(cfg: Mapping[str, Any], path: str, model: torch.nn.Module, schedule) -> torch.nn.Module:
+    """The network of ``quality.candidate_checkpoint``, on the reference's device, checked comparable.
+
+    Refuses a recipe stack or another sampler (the candidate arm runs as the reference does, so they would
+    be silently ignored) and weights of another architecture or noise schedule.
+    """
+    from optim import RecipeStack
+
+    names = RecipeStack.from_config(cfg.get("recipe")).names
+    sampler = (cfg.get("sampler") or {}).get("name", "ddpm")
+    if names or sampler != "ddpm":
+        raise ConfigError(f"quality.candidate_checkpoint={path}: compares weights under strict FP32 DDPM; pass "
+                          f"recipe=[] sampler=ddpm (got recipe={list(names)}, sampler={sampler})")
+    net, other = gate_model(cfg, path, 0)
+    check_same_network(path, (net, other), (model, schedule))
+    return net.to(schedule.betas.device).eval()
+
+
+def check_same_network(path: str, candidate: tuple[torch.nn.Module, Any], reference: tuple[torch.nn.Module, Any]) -> None:
+    """Two checkpoints are comparable only with the same parameter shapes and the same noise schedule."""
+    shapes = [{k: tuple(v.shape) for k, v in net.state_dict().items()} for net, _ in (candidate, reference)]
+    betas = [schedule.betas.detach().cpu().double() for _, schedule in (candidate, reference)]
+    if shapes[0] != shapes[1] or betas[0].shape != betas[1].shape or not torch.allclose(*betas):
+        raise ConfigError(f"quality.candidate_checkpoint={path}: another network or noise schedule than the "
+                          "reference's (bench.checkpoint); compare two checkpoints of one model config")
 
 
 def phantom_masks(n: int, n_masks: int, image_size: Sequence[int], variant: str, seed: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ checkpoints and previews happen on rank 0; the logged loss is the mean over rank
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -54,12 +55,13 @@ from med_ddpm.model import UNet3D, build_model
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.timings import LoopTimer, RunClock, TimedIterator
 from med_ddpm.tracking import Tracker, build_tracker
-from med_ddpm.utils import seed_everything
+from med_ddpm.utils import append_line, seed_everything
 from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+LOSS_LOG = "loss.jsonl"  # <output_dir>/loss.jsonl: every logged step's metrics, whatever the logger
 
 
 class EpochSampler(Sampler[int]):
@@ -378,7 +380,9 @@ def fit(job: Job) -> dict[str, Any]:
     """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints.
 
     Rank 0 writes where the time went to ``<output_dir>/timings.json``: start-up, the first step
-    (compilation), the steady state per volume and the share of it spent waiting for data.
+    (compilation), the steady state per volume and the share of it spent waiting for data; and every
+    logged step's metrics to ``<output_dir>/loss.jsonl``, one whole JSON line each (the tracker's, without
+    one). A resumed run appends: a step logged twice, the later line counts.
     """
     cfg = job.cfg.train
     rank0 = distributed.is_main()
@@ -404,7 +408,9 @@ def fit(job: Job) -> dict[str, Any]:
             if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
                 value = loss.item()  # the loop's one wait for the GPU between logs
                 bar.set_postfix(loss=f"{value:.4f}")
-                job.tracker.log(metrics(job, value, t0, start_step), step=job.step)
+                logged = metrics(job, value, t0, start_step)
+                job.tracker.log(logged, step=job.step)
+                append_line(job.out_dir / LOSS_LOG, json.dumps(logged))
             if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
                 png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
                 job.tracker.log_image("sample", png, step=job.step)

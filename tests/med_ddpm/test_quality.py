@@ -171,3 +171,50 @@ def test_gate_reuses_a_cached_strict_reference(tmp_path, monkeypatch):
     cfg.seed = 1  # other noise: another reference
     with pytest.raises(AssertionError, match="cached reference was not used"):
         quality.gate_from_config(cfg, "cpu")
+
+
+def _save_weights(path, cfg, scale_output: float = 1.0):
+    """A checkpoint of the gate's seeded net; ``scale_output`` multiplies the last conv: ε × scale exactly."""
+    from omegaconf import OmegaConf
+
+    from med_ddpm.checkpoint import save_checkpoint
+    from med_ddpm.quality import gate_model
+
+    net, _ = gate_model(cfg, None, 0)
+    last = [m for m in net.modules() if isinstance(m, torch.nn.Conv3d)][-1]
+    with torch.no_grad():
+        last.weight.mul_(scale_output), last.bias.mul_(scale_output)
+    config = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "diffusion")}
+    save_checkpoint(path, model_state=net.state_dict(), ema_state=net.state_dict(), config=config, step=1)
+    return str(path)
+
+
+def test_two_checkpoints_same_weights_pass_and_other_weights_fail(tmp_path):
+    """quality.candidate_checkpoint: the candidate arm runs the other weights exactly as the reference runs."""
+    from med_ddpm.quality import gate_from_config
+
+    cfg = _compose("recipe=[]", "sampler=ddpm")
+    same, scaled = _save_weights(tmp_path / "a.pt", cfg), _save_weights(tmp_path / "b.pt", cfg, scale_output=1.1)
+    cfg.quality.candidate_checkpoint = same
+    report = gate_from_config(cfg, "cpu", checkpoint=same).to_dict()
+    assert report["verdict"] == "pass" and report["paired"] and report["metrics"]["eps_rel_l2"] == 0.0
+    assert report["checkpoints"] == {"reference": same, "candidate": same}
+    cfg.quality.candidate_checkpoint = scaled
+    report = gate_from_config(cfg, "cpu", checkpoint=same).to_dict()
+    assert report["checkpoints"]["candidate"] == scaled and report["verdict"] == "fail"
+    assert report["checks"]["eps_scale_bias"]["value"] == pytest.approx(0.1, rel=1e-3)
+    assert report["checks"]["eps_scale_bias"]["status"] == "fail" and report["checks"]["x0_nrmse"]["value"] > 0
+
+
+def test_two_checkpoints_refuse_a_stack_or_another_network(tmp_path):
+    from med_ddpm.errors import ConfigError
+    from med_ddpm.quality import gate_from_config
+
+    cfg = _compose("recipe=[]", "sampler=ddpm")
+    mine = _save_weights(tmp_path / "a.pt", cfg)
+    other = _save_weights(tmp_path / "b.pt", _compose("model.image_size=[8,8,8]", "model.channel_mult=[1,1]"))
+    with pytest.raises(ConfigError, match="another network"):
+        gate_from_config(_compose("recipe=[]", "sampler=ddpm", f"quality.candidate_checkpoint={other}"), "cpu",
+                         checkpoint=mine)
+    with pytest.raises(ConfigError, match=r"pass recipe=\[\] sampler=ddpm"):
+        gate_from_config(_compose("recipe=[tf32]", f"quality.candidate_checkpoint={mine}"), "cpu", checkpoint=mine)
