@@ -10,10 +10,14 @@ Example (Hydra overrides of ``configs/ladder.yaml``):
     python -m bench.ladder preset=core out=results/h200 only=full_sample  # just the jobs a regex names
     python -m bench.ladder preset=core out=results/h200 "only='batch_size=(2|4)'"  # quote a regex with = ( | [
     python -m bench.ladder preset=quality out=results/h200/quality checkpoint=runs/quality_model/checkpoints/last.pt
+    python -m bench.ladder preset=quality_training out=results/h200/quality/training budget_s=560
+    python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
 
 Presets (:data:`PRESETS`): ``smoke`` (CPU), ``gpu`` (every recipe, sampling, batch scaling, BraTS memory,
 fast samplers), ``core`` (the same evidence in one device session), ``targets`` (``experiment=fast_sample``
-and ``experiment=fast_train`` against strict FP32), ``quality`` (the quality gate next to the time).
+and ``experiment=fast_train`` against strict FP32), ``quality`` (the quality gate next to the time),
+``quality_pair`` (the gate between two checkpoints). :data:`COMMAND_PRESETS` run real commands in fresh
+processes instead of step jobs: ``e2e`` (:mod:`bench.e2e`) and ``quality_training`` (:mod:`bench.quality_training`).
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
 than one 10-minute device command is finished by running the same command again. The time
@@ -47,6 +51,7 @@ from bench.records import RESULTS_FILE, append_row, job_key, provenance, read_ro
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
+from med_ddpm.errors import check_int
 
 Stack = tuple[str, ...]
 Job = list[str]  # Hydra overrides of configs/bench.yaml
@@ -185,7 +190,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
 def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterator[Job]:
     """Two checkpoints of the quality model gated against each other (``quality.candidate_checkpoint``): the
     reference's EMA weights and the candidate's, both strict-FP32 DDPM-250 with the same N masks and noise, so
-    only the weights differ. The row's time is the reference's FP32 forward. ``bench.quality_training`` trains
+    only the weights differ. The row's time is the reference's FP32 forward. ``preset=quality_training`` trains
     such a pair (strict FP32 and ``experiment=fast_train``'s stack) and gates it with this preset."""
     if reference is None or candidate is None:
         raise SystemExit("bench.ladder preset=quality_pair needs checkpoint=PATH (the reference's weights) and "
@@ -323,10 +328,30 @@ def e2e_args(cfg: DictConfig) -> dict[str, str]:
     return {k: str(v) for k, v in args.items()}
 
 
+def run_e2e(cfg: DictConfig) -> int:
+    from bench.e2e import run as run_commands
+
+    return run_commands(ladder_jobs(cfg), e2e_args(cfg))
+
+
+def run_quality_training(cfg: DictConfig) -> int:
+    from bench.quality_training import run as train_and_gate
+
+    q = cfg.quality_training
+    steps = check_int(cfg, "quality_training.steps", 1)
+    budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
+    return train_and_gate(Path(cfg.out), steps, q.experiment, Path(q.runs), budget_s, list(q.overrides))
+
+
+# Presets that run real commands in fresh processes rather than the step worker's jobs.
+COMMAND_PRESETS: dict[str, Callable[[DictConfig], int]] = {"e2e": run_e2e, "quality_training": run_quality_training}
+
+
 def ladder_jobs(cfg: DictConfig) -> list[Job]:
     """The jobs of ``cfg.preset``, only those ``cfg.only`` (a regex over a job's overrides) names if set."""
     if cfg.preset not in PRESETS:
-        raise SystemExit(f"bench.ladder: unknown preset={cfg.preset}; known: {', '.join(PRESETS)}")
+        known = ", ".join({**PRESETS, **COMMAND_PRESETS})
+        raise SystemExit(f"bench.ladder: unknown preset={cfg.preset}; known: {known}")
     jobs = list(PRESETS[cfg.preset](cfg))
     return [job for job in jobs if re.search(cfg.only, " ".join(job))] if cfg.only else jobs
 
@@ -335,10 +360,8 @@ def run(cfg: DictConfig) -> int:
     """Run the ladder ``cfg`` (configs/ladder.yaml) describes; return the jobs left.
 
     ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
-    if cfg.preset == "e2e":
-        from bench.e2e import run as run_e2e
-
-        return run_e2e(ladder_jobs(cfg), e2e_args(cfg))
+    if cfg.preset in COMMAND_PRESETS:
+        return COMMAND_PRESETS[cfg.preset](cfg)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
     # only= runs just the jobs it names: the missing baselines are not among them
     return run_ladder(Path(cfg.out), ladder_jobs(cfg), budget_s, cfg.dry_run, cfg.refresh,

@@ -15,16 +15,16 @@ so the same initial weights, data order and every (t, ε) draw; batch 4 x grad_a
   as the reference, the stack run's EMA weights as the candidate (``quality.candidate_checkpoint``), both
   strict-FP32 DDPM with the same masks and noise, so only the weights differ.
 
-Example (1000 steps each: the quality model's own 3000, twice, would not fit one 10-minute device call; a call
-cut by ``budget_s`` is finished by running the same command again):
-    python -m bench.quality_training out=bench/results/h200/quality/training steps=1000 budget_s=560
+Run as a ladder preset (1000 steps each: the quality model's own 3000, twice, would not fit one 10-minute device
+call; a call cut by ``budget_s`` is finished by running the same command again):
+    python -m bench.ladder preset=quality_training out=bench/results/h200/quality/training budget_s=560
 
-Options: ``out=DIR`` (required), ``steps=N`` (1000), ``experiment=NAME`` (fast_train), ``runs=DIR`` (the two
-runs and their compile cache; default ``runs/quality_training``, git-ignored), ``budget_s=S`` (stop starting
-work after S seconds). Anything else is a Hydra override: ``train.*`` goes to both training runs, ``quality.*``
-and ``bench.*`` to the gate, the rest (``model``, ``data``, ``diffusion``, ``sampler``, ``device``, ``seed``, ...)
-to all three. Resumable: a run is continued from its last checkpoint (``resume=auto``), a finished run and a
-row already in results.jsonl are kept, so a cut call is finished by the same command.
+Options (``quality_training.*`` in configs/ladder.yaml): ``steps`` (1000), ``experiment`` (fast_train), ``runs``
+(the two runs and their compile cache; default ``runs/quality_training``, git-ignored) and ``overrides``, a list of
+Hydra overrides: ``train.*`` go to both training runs, ``quality.*`` and ``bench.*`` to the gate, the rest
+(``model``, ``data``, ``diffusion``, ``sampler``, ``device``, ``seed``, ...) to all three. Resumable: a run is
+continued from its last checkpoint (``resume=auto``), a finished run and a row already in results.jsonl are kept,
+so a cut call is finished by the same command.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from typing import Any
 from bench.e2e import CONFIG_DIR, spawn
 from bench.ladder import quality_pair_ladder, run_ladder, swapped_experiment
 from med_ddpm.checkpoint import read_checkpoint
+from med_ddpm.errors import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.train import LOSS_LOG
 from med_ddpm.utils import atomic_write, atomic_write_text
 
-OWN_KEYS = ("out", "steps", "experiment", "runs", "budget_s")
 REFERENCE = "fp32"
 TAIL = 0.25  # the loss summary averages the last quarter of the logged steps
 
@@ -62,8 +62,8 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
 def training_commands(steps: int, experiment: str, runs: Path, overrides: Sequence[str] = ()) -> dict[str, list[str]]:
     """Arm name -> ``python -m`` argv of its training run: strict FP32 and ``experiment``'s stack, nothing else apart."""
     if not (CONFIG_DIR / "experiment" / f"{experiment}.yaml").exists():
-        raise SystemExit(f"bench.quality_training: experiment={experiment} has no configs/experiment/{experiment}.yaml; "
-                         "name an experiment whose recipe stack to train with (fast_train)")
+        raise ConfigError(f"quality_training.experiment={experiment}: no configs/experiment/{experiment}.yaml; "
+                          "name an experiment whose recipe stack to train with (fast_train)")
     shipped = swapped_experiment(experiment, old="", new="")  # no recipe is named "": the stack as shipped
     stacks = {REFERENCE: ["recipe=[]"], experiment: shipped}
     return {arm: ["med_ddpm.train", "experiment=quality_model", *stack, f"train.max_steps={steps}", *overrides,
@@ -178,29 +178,3 @@ def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path
     checkpoints = [str(runs.resolve() / arm / "checkpoints" / "last.pt") for arm in commands]
     jobs = [[*job, *gate_overrides] for job in quality_pair_ladder(*checkpoints)]
     return run_ladder(out, jobs, budget_s - (time.monotonic() - start), complete_baselines=False)
-
-
-def parse_args(argv: Sequence[str]) -> dict[str, Any]:
-    """The command line as :func:`run`'s keyword arguments; a bad option exits with one line."""
-    own = {k: v for k, _, v in (a.partition("=") for a in argv) if k in OWN_KEYS}
-    if "out" not in own:
-        raise SystemExit("usage: python -m bench.quality_training out=DIR [steps=1000] [experiment=fast_train] "
-                         "[runs=runs/quality_training] [budget_s=S] [HYDRA_OVERRIDE ...]")
-    try:
-        steps, budget_s = int(own.get("steps", 1000)), float(own.get("budget_s", math.inf))
-    except ValueError:
-        raise SystemExit(f"bench.quality_training: steps={own.get('steps')} budget_s={own.get('budget_s')}: steps must "
-                         "be a whole number, budget_s a number of seconds") from None
-    if steps < 1:
-        raise SystemExit(f"bench.quality_training: steps={steps} must be at least 1")
-    return {"out": Path(own["out"]), "steps": steps, "experiment": own.get("experiment", "fast_train"),
-            "runs": Path(own.get("runs", "runs/quality_training")), "budget_s": budget_s,
-            "overrides": [a for a in argv if a.partition("=")[0] not in OWN_KEYS]}
-
-
-def main(argv: list[str]) -> int:
-    return run(**parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -9,13 +9,22 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from bench.ladder import compose_job, quality_pair_ladder
-from bench.quality_training import compare_losses, loss_curve, main, split_overrides, training_commands
+from bench.ladder import run as run_ladder_command
+from bench.quality_training import compare_losses, loss_curve, split_overrides, training_commands
+from med_ddpm.errors import ConfigError
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 # the tiny net cut to 8^3 and a 4-step schedule: two CPU trainings and an N = 8 gate in seconds
 TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "device=cpu",
         "diffusion.timesteps=4", "sampler.steps=4", "data.num_volumes=4", "train.batch_size=2", "train.ema_start=0",
         "train.save_every=2", "+logger.log_every=1", "quality.n_samples=8", "quality.n_masks=2", "quality.n_perm=200"]
+
+
+def ladder(out, *overrides):
+    """``python -m bench.ladder preset=quality_training out=... <overrides>``, composed as the command does."""
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("ladder", overrides=["preset=quality_training", f"out={out}", *overrides])
+    return run_ladder_command(cfg)
 
 
 def _train_config(argv):
@@ -54,12 +63,12 @@ def test_overrides_are_routed_and_the_gate_job_composes(tmp_path):
 
 
 def test_bad_options_are_one_line_errors(tmp_path):
-    with pytest.raises(SystemExit, match="usage: python -m bench.quality_training out=DIR"):
-        main(["steps=10"])
-    with pytest.raises(SystemExit, match="steps=many"):
-        main([f"out={tmp_path}", "steps=many"])
-    with pytest.raises(SystemExit, match="experiment=nope has no configs/experiment/nope.yaml"):
-        main([f"out={tmp_path}", "experiment=nope"])
+    with pytest.raises(ConfigError, match="quality_training.steps=0: must be an integer >= 1"):
+        ladder(tmp_path, "quality_training.steps=0")
+    with pytest.raises(ConfigError, match="quality_training.steps='many': must be an integer >= 1"):
+        ladder(tmp_path, "quality_training.steps=many")
+    with pytest.raises(ConfigError, match="quality_training.experiment=nope: no configs/experiment/nope.yaml"):
+        ladder(tmp_path, "quality_training.experiment=nope")
 
 
 def test_loss_comparison_is_paired_over_the_tail():
@@ -80,8 +89,9 @@ def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
 def test_tiny_pair_trains_compares_and_gates(tmp_path):
     """Tiny model on the CPU, 4 steps each, quality_model's own stack (amp_bf16; fast_train's compiles for CUDA)."""
     out, runs = tmp_path / "out", tmp_path / "runs"
-    args = [f"out={out}", f"runs={runs}", "steps=4", "experiment=quality_model", *TINY]
-    assert main(args) == 0
+    args = [f"quality_training.runs={runs}", "quality_training.steps=4", "quality_training.experiment=quality_model",
+            "quality_training.overrides=[" + ",".join(f"'{o}'" for o in TINY) + "]"]
+    assert ladder(out, *args) == 0
     for arm in ("fp32", "quality_model"):
         assert (runs / arm / "checkpoints" / "last.pt").exists() and (runs / arm / "checkpoints" / "step_0000004.pt").exists()
         logged = [json.loads(line) for line in (runs / arm / "loss.jsonl").read_text().splitlines()]
@@ -99,5 +109,5 @@ def test_tiny_pair_trains_compares_and_gates(tmp_path):
     assert quality["checkpoints"] == {"reference": str(runs / "fp32" / "checkpoints" / "last.pt"),
                                       "candidate": str(runs / "quality_model" / "checkpoints" / "last.pt")}
     assert quality["paired"] and quality["metrics"]["eps_rel_l2"] > 0  # two different trained models
-    assert main(args) == 0  # resumable: nothing left, nothing rerun
+    assert ladder(out, *args) == 0  # resumable: nothing left, nothing rerun
     assert len((out / "results.jsonl").read_text().splitlines()) == 1
