@@ -455,11 +455,13 @@ SAMPLERS: dict[str, type[Sampler]] = {
 
 
 def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, **kwargs) -> Sampler:
-    """Sampler by config name, with its timesteps set (``steps`` defaults to T)."""
+    """Sampler by config name, with its timesteps set (``steps`` defaults to T, or to the length of an
+    explicit ``timesteps`` grid)."""
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
-    sampler = SAMPLERS[name](schedule, **kwargs)
-    sampler.set_timesteps(schedule.num_train_timesteps if steps is None else steps)
+    sampler = SAMPLERS[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
+    if steps is not None:
+        sampler.set_timesteps(steps)
     return sampler
 
 
