@@ -68,7 +68,8 @@ def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=tuning", f"out={tmp_path}"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
-        "bench.ladder: unknown preset=tuning; known: smoke, gpu, core, targets, quality, e2e")
+        f"bench.ladder: unknown preset=tuning; known: {', '.join(PRESETS)}")
+    assert {"smoke", "gpu", "core", "targets", "quality", "samplers", "e2e"} <= set(PRESETS)
 
 
 def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):

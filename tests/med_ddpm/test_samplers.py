@@ -430,6 +430,7 @@ def test_timesteps_override_composes_with_the_real_configs():
                                            "sampler.steps=4", "sampler.timesteps=[249,180,60,9]"])
         bad = compose("sample", overrides=["sampler=deis", "sampler.steps=2", "sampler.timesteps=[9,60]"])
     check_sampler(cfg.sampler, cfg.diffusion)
+    check_sampler(OmegaConf.merge(cfg.sampler, {"steps": None}), cfg.diffusion)  # med_ddpm.sample's early check
     sampler = sampler_from_config(cfg.sampler, NoiseSchedule.from_config(cfg.diffusion))
     assert sampler.timesteps.tolist() == [249, 180, 60, 9] and sampler.order == 3 and sampler.stochastic
     with pytest.raises(ConfigError, match=r"^sampler\.timesteps=\[9, 60\]: must be strictly decreasing"):
