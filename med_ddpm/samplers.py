@@ -281,15 +281,12 @@ class DDIMSampler(FewStepSampler):
         return StepOutput(prev, pred_x0)
 
 
-# Adams–Bashforth weights for equal steps, newest first (iPNDM's; Zhang & Chen 2023, App.)
-AB_COEFFICIENTS = {1: (1.0,), 2: (3 / 2, -1 / 2), 3: (23 / 12, -16 / 12, 5 / 12)}
-
-
 def lagrange_exp_weights(nodes: Sequence[float], a: float, b: float) -> list[float]:
     """∫_a^b ℓ_j(v)·e^v dv for each Lagrange basis polynomial ℓ_j on ``nodes`` (newest first).
 
-    These are the tAB-DEIS weights in the time variable v = log ρ (ρ = σ/α), where dρ = e^v dv.
-    Exact for polynomials: ∫ p(v)·e^v dv = e^v·Σ_m (−1)^m·p^{(m)}(v).
+    These are the tAB-DEIS weights in the time variable v = log ρ (ρ = σ/α), where dρ = e^v dv, and the
+    DPM-Solver++(3M) weights in v = λ (ODE) or v = 2λ (SDE). Exact for polynomials:
+    ∫ p(v)·e^v dv = e^v·Σ_m (−1)^m·p^{(m)}(v).
     """
     weights = []
     for j, v_j in enumerate(nodes):
@@ -345,7 +342,8 @@ class DPMSolverPPSampler(FewStepSampler):
     def set_timesteps(self, num_inference_steps: int) -> None:
         super().set_timesteps(num_inference_steps)
         self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]
-        self._third = {k: self._third_order_weights(k) for k in range(2, num_inference_steps - 1)}
+        third = range(2, num_inference_steps - 1) if self.order == 3 else ()
+        self._third = {k: self._third_order_weights(k) for k in third}
 
     def _third_order_weights(self, k: int) -> list[float]:
         """x-space weights of x̂₀_k, x̂₀_{k−1}, x̂₀_{k−2} in the 3M step k (class docstring)."""
@@ -383,6 +381,10 @@ class DPMSolverPPSampler(FewStepSampler):
             prev = prev + self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * h)) * noise
         self._x0s = [pred_x0, *self._x0s][:2]
         return StepOutput(prev, pred_x0)
+
+
+# Adams–Bashforth weights for equal steps, newest first (iPNDM's; Zhang & Chen 2023, App.)
+AB_COEFFICIENTS = {1: (1.0,), 2: (3 / 2, -1 / 2), 3: (23 / 12, -16 / 12, 5 / 12)}
 
 
 class DEISSampler(FewStepSampler):
