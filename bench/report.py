@@ -222,47 +222,43 @@ def plot_pareto(table: list[dict[str, Any]], path: Path, metric: str = QUALITY_M
             and math.isfinite(r["quality_value"])]
     if not rows:
         return None
-    plt = _figure()
     points = [(max(r["quality_value"], 1e-12), r["speedup"]) for r in rows]
-    front = sorted(pareto_front(points), key=lambda i: points[i][0])
-    colours = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for (q, s), r in zip(points, rows):
-        ax.scatter(q, s, color=colours.get(r["quality"], "tab:gray"))
-        ax.annotate(r["recipes"], (q, s), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "k--", lw=0.8, label="Pareto front")
-    ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=120, facecolors="none",
-               edgecolors="k")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"{metric} vs strict-FP32 reference (lower is better)")
-    ax.set_ylabel("speed-up vs strict FP32")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _front_plot(points, rows, [r["recipes"] for r in rows], path,
+                       (f"{metric} vs strict-FP32 reference (lower is better)", "speed-up vs strict FP32"))
 
 
 def plot_calls(rows: list[dict[str, Any]], table: list[dict[str, Any]], path: Path) -> Path | None:
     """Model calls (sampler steps) vs the worst distribution p-value of each gated sampling row (headline rows);
-    the front of fewest calls at the highest p is joined."""
+    the front of fewest calls at the highest p is joined and ringed."""
     pairs = [(r, t) for r, t in zip(rows, table) if t["headline"] and r.get("scenario") == "full_sample"
              and r.get("steps") and worst_distribution_p(r) is not None]
     if not pairs:
         return None
-    plt = _figure()
     points = [(float(r["steps"]), max(worst_distribution_p(r), 1e-6)) for r, _ in pairs]
-    front = sorted(pareto_front(points), key=lambda i: points[i][0])  # fewer calls, higher p
+    shown = [t for _, t in pairs]
+    return _front_plot(points, shown, [f"{t['sampler']} {t['recipes']}" for t in shown], path,
+                       ("model calls per sample (sampler steps)",
+                        "worst distribution-check p-value vs DDPM-250 (higher: closer)"), log_y=True)
+
+
+def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], labels: list[str], path: Path,
+                axis_labels: tuple[str, str], log_y: bool = False) -> Path:
+    """Points (x lower better, y higher better) coloured by verdict and labelled; the Pareto front joined, ringed."""
+    plt = _figure()
+    front = sorted(pareto_front(points), key=lambda i: points[i][0])
     colours = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
     fig, ax = plt.subplots(figsize=(7, 5))
-    for (calls, p), (_, t) in zip(points, pairs):
-        ax.scatter(calls, p, color=colours.get(t["quality"], "tab:gray"))
-        ax.annotate(f"{t['sampler']} {t['recipes']}", (calls, p), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for (x, y), r, label in zip(points, rows, labels):
+        ax.scatter(x, y, color=colours.get(r["quality"], "tab:gray"))
+        ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "k--", lw=0.8, label="Pareto front")
+    ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=120, facecolors="none",
+               edgecolors="k")
     ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("model calls per sample (sampler steps)")
-    ax.set_ylabel("worst distribution-check p-value vs DDPM-250 (higher: closer)")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(axis_labels[0])
+    ax.set_ylabel(axis_labels[1])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
