@@ -16,7 +16,8 @@ Example (Hydra overrides of ``configs/ladder.yaml``):
 Presets (:data:`PRESETS`): ``smoke`` (CPU), ``gpu`` (every recipe, sampling, batch scaling, BraTS memory,
 fast samplers), ``core`` (the same evidence in one device session), ``targets`` (``experiment=fast_sample``
 and ``experiment=fast_train`` against strict FP32), ``quality`` (the quality gate next to the time),
-``quality_pair`` (the gate between two checkpoints). :data:`COMMAND_PRESETS` run real commands in fresh
+``quality_pair`` (the gate between two checkpoints), ``samplers`` (few-step samplers gated on the quality
+model). :data:`COMMAND_PRESETS` run real commands in fresh
 processes instead of step jobs: ``e2e`` (:mod:`bench.e2e`) and ``quality_training`` (:mod:`bench.quality_training`).
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
@@ -45,7 +46,7 @@ from typing import Any
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bench.records import RESULTS_FILE, append_row, job_key, provenance, read_rows
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
@@ -200,6 +201,25 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterato
            f"quality.candidate_checkpoint={candidate}"]
 
 
+def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
+    """Few-step stochastic samplers gated on the quality model, each timed with ``experiment=fast_sample``'s stack
+    exactly as the quality preset gates it (batch N, the same reference cache): SDE-DPM-Solver++ 2M and 3M on the
+    trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
+    ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`). Issue: 25 calls or fewer."""
+    if checkpoint is None:
+        raise SystemExit("bench.ladder preset=samplers needs checkpoint=PATH (python -m med_ddpm.train "
+                         "experiment=quality_model writes one)")
+    gate = [f"bench.checkpoint={checkpoint}", f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
+    gated = ["model=quality_model", "bench.quality=true", *gate, "bench=full_sample", "bench.batch_size=32",
+             "bench.warmup=1", "bench.iters=2", "experiment=fast_sample"]
+    for steps in (25, 10, 50):
+        for order in (2, 3):
+            for spacing in ("trailing", "quadratic"):
+                yield [*gated, f"sampler.steps={steps}", f"sampler.order={order}", f"sampler.spacing={spacing}"]
+    for path in sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml")):
+        yield [*gated, f"sampler={path.stem}", f"sampler.steps={len(OmegaConf.load(path).timesteps)}"]
+
+
 def smoke_ladder(best: Stack) -> Iterator[Job]:
     """The same shape on the tiny CPU model: both step scenarios, two stacks, two batch sizes."""
     for scenario in ("train_step", "denoise_step"):
@@ -234,6 +254,7 @@ PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
     "targets": lambda cfg: targets_ladder(),
     "quality": lambda cfg: quality_ladder(cfg.checkpoint),
     "quality_pair": lambda cfg: quality_pair_ladder(cfg.checkpoint, cfg.candidate_checkpoint),
+    "samplers": lambda cfg: samplers_ladder(cfg.checkpoint),
     "e2e": lambda cfg: e2e_ladder(),
 }
 

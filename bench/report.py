@@ -16,7 +16,8 @@ run ids existed, or no known commit) is never a headline: it is listed apart, la
 its own numbers unchanged and no speed-up unless its run has a baseline. report.csv has every
 row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message.
 PNGs (headline rows): speed-up per stack, speed-up vs the quality gate's number with the Pareto
-front marked (when the gate ran), and throughput vs batch size (when there are several).
+front marked (when the gate ran), model calls vs the gate's worst distribution p-value of the gated
+sampling rows, and throughput vs batch size (when there are several).
 """
 
 from __future__ import annotations
@@ -48,7 +49,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _quality_value(row: dict[str, Any], metric: str) -> float | None:
     value = ((row.get("quality") or {}).get("metrics") or {}).get(metric)
+    if isinstance(value, dict):  # the gate's checks: {"value": ..., "p_value": ...}
+        value = value.get("value")
     return float(value) if value is not None else None
+
+
+def worst_distribution_p(row: dict[str, Any]) -> float | None:
+    """The smallest permutation p-value of the row's distribution checks (the one that decides a sampler's verdict:
+    small means its samples are told apart from DDPM-250's), or None when the gate ran none."""
+    checks = ((row.get("config") or {}).get("quality") or {}).get("checks") or {}
+    metrics = (row.get("quality") or {}).get("metrics") or {}
+    p = [m["p_value"] for name, m in metrics.items() if isinstance(m, dict) and m.get("p_value") is not None
+         and (checks.get(name) or {}).get("kind") == "distribution"]
+    return min(p) if p else None
 
 
 def code_label(row: dict[str, Any]) -> str:
@@ -209,20 +222,43 @@ def plot_pareto(table: list[dict[str, Any]], path: Path, metric: str = QUALITY_M
             and math.isfinite(r["quality_value"])]
     if not rows:
         return None
-    plt = _figure()
     points = [(max(r["quality_value"], 1e-12), r["speedup"]) for r in rows]
+    return _front_plot(points, rows, [r["recipes"] for r in rows], path,
+                       (f"{metric} vs strict-FP32 reference (lower is better)", "speed-up vs strict FP32"))
+
+
+def plot_calls(rows: list[dict[str, Any]], table: list[dict[str, Any]], path: Path) -> Path | None:
+    """Model calls (sampler steps) vs the worst distribution p-value of each gated sampling row (headline rows);
+    the front of fewest calls at the highest p is joined and ringed."""
+    pairs = [(r, t) for r, t in zip(rows, table) if t["headline"] and r.get("scenario") == "full_sample"
+             and r.get("steps") and worst_distribution_p(r) is not None]
+    if not pairs:
+        return None
+    points = [(float(r["steps"]), max(worst_distribution_p(r), 1e-6)) for r, _ in pairs]
+    shown = [t for _, t in pairs]
+    return _front_plot(points, shown, [f"{t['sampler']} {t['recipes']}" for t in shown], path,
+                       ("model calls per sample (sampler steps)",
+                        "worst distribution-check p-value vs DDPM-250 (higher: closer)"), log_y=True)
+
+
+def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], labels: list[str], path: Path,
+                axis_labels: tuple[str, str], log_y: bool = False) -> Path:
+    """Points (x lower better, y higher better) coloured by verdict and labelled; the Pareto front joined, ringed."""
+    plt = _figure()
     front = sorted(pareto_front(points), key=lambda i: points[i][0])
     colours = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
     fig, ax = plt.subplots(figsize=(7, 5))
-    for (q, s), r in zip(points, rows):
-        ax.scatter(q, s, color=colours.get(r["quality"], "tab:gray"))
-        ax.annotate(r["recipes"], (q, s), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for (x, y), r, label in zip(points, rows, labels):
+        ax.scatter(x, y, color=colours.get(r["quality"], "tab:gray"))
+        ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "k--", lw=0.8, label="Pareto front")
     ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=120, facecolors="none",
                edgecolors="k")
     ax.set_xscale("log")
-    ax.set_xlabel(f"{metric} vs strict-FP32 reference (lower is better)")
-    ax.set_ylabel("speed-up vs strict FP32")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(axis_labels[0])
+    ax.set_ylabel(axis_labels[1])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -275,6 +311,7 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     headline = [r for r in table if r["headline"]]
     images = [p for p in (plot_speedups(headline, sweep_dir / "speedup.png"),
                           plot_pareto(headline, sweep_dir / "speedup_vs_quality.png", metric),
+                          plot_calls(rows, table, sweep_dir / "calls_vs_quality.png"),
                           plot_throughput(headline, sweep_dir / "throughput_vs_batch.png")) if p]
     markdown = to_markdown(table, rows) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
     atomic_write_text(sweep_dir / "report.csv", to_csv(table))

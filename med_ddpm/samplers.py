@@ -177,6 +177,17 @@ def make_timesteps(
     return torch.from_numpy(ts.astype(np.int64).copy())
 
 
+def explicit_timesteps(timesteps: Sequence[Any], num_train_timesteps: int) -> torch.Tensor:
+    """A user's own grid (``sampler.timesteps=[249, 200, ...]``), e.g. one searched by
+    ``bench.experiments.step_search``: integers, strictly decreasing, within [0, T−1]."""
+    T, ts = num_train_timesteps, list(timesteps)
+    ints = all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ts)
+    if not ts or not ints or any(a <= b for a, b in zip(ts, ts[1:])) or ts[0] > T - 1 or ts[-1] < 0:
+        raise ConfigError(f"sampler.timesteps={ts}: must be strictly decreasing integers in [0, {T - 1}]; "
+                          f"pass e.g. sampler.timesteps=[{T - 1},{T // 2},0], or sampler.timesteps=null for the spacing")
+    return torch.tensor(ts, dtype=torch.int64)
+
+
 class FewStepSampler(Sampler):
     """Base of the samplers that skip training steps (DDIM, DPM-Solver++, DEIS).
 
@@ -189,14 +200,25 @@ class FewStepSampler(Sampler):
 
     sequential: bool = False  # multistep solvers must see the grid in order
 
-    def __init__(self, schedule: NoiseSchedule, clip_denoised: bool = True, spacing: str = "trailing"):
+    def __init__(self, schedule: NoiseSchedule, clip_denoised: bool = True, spacing: str = "trailing",
+                 timesteps: Sequence[int] | None = None):
         super().__init__(schedule, clip_denoised)
         self.spacing = spacing
-        self.set_timesteps(schedule.num_train_timesteps)
+        T = schedule.num_train_timesteps
+        self.explicit = None if timesteps is None else explicit_timesteps(timesteps, T)
+        self.set_timesteps(T if self.explicit is None else len(self.explicit))
 
     def set_timesteps(self, num_inference_steps: int) -> None:
+        """The grid of ``num_inference_steps`` points: the explicit ``timesteps`` if given (then its
+        length must be ``num_inference_steps``), else ``make_timesteps`` with this sampler's spacing."""
         T = self.schedule.num_train_timesteps
-        self.timesteps = make_timesteps(T, num_inference_steps, self.spacing)
+        if self.explicit is None:
+            self.timesteps = make_timesteps(T, num_inference_steps, self.spacing)
+        elif num_inference_steps == len(self.explicit):
+            self.timesteps = self.explicit
+        else:
+            raise ConfigError(f"sampler.steps={num_inference_steps}: sampler.timesteps lists {len(self.explicit)} "
+                              f"steps; pass sampler.steps={len(self.explicit)}")
         self.num_inference_steps = num_inference_steps
         ac = self.schedule.alphas_cumprod.detach().double().cpu()
         self.abar = [float(ac[t]) for t in self.timesteps] + [1.0]
@@ -238,13 +260,14 @@ class DDIMSampler(FewStepSampler):
     """
 
     def __init__(
-        self, schedule: NoiseSchedule, eta: float = 0.0, clip_denoised: bool = True, spacing: str = "trailing"
+        self, schedule: NoiseSchedule, eta: float = 0.0, clip_denoised: bool = True, spacing: str = "trailing",
+        timesteps: Sequence[int] | None = None,
     ):
         if eta < 0:
             raise ValueError(f"sampler.eta must be >= 0; got {eta}")
         self.eta = float(eta)
         self.stochastic = self.eta > 0
-        super().__init__(schedule, clip_denoised, spacing)
+        super().__init__(schedule, clip_denoised, spacing, timesteps)
 
     def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
         k = self._index(t)
@@ -258,78 +281,12 @@ class DDIMSampler(FewStepSampler):
         return StepOutput(prev, pred_x0)
 
 
-class DPMSolverPPSampler(FewStepSampler):
-    """DPM-Solver++(2M), multistep, data prediction (Lu et al. 2022b, Alg. 2) on the trained schedule.
-
-    λ_t = log α_t − log σ_t from the discrete ᾱ; with h = λ_{t'} − λ_t and r = h_prev/h,
-    x_{t'} = (σ_{t'}/σ_t)·x_t − α_{t'}·(e^{−h} − 1)·D,  D = (1 + 1/2r)·x̂₀_t − (1/2r)·x̂₀_prev
-    (D = x̂₀_t on the first step: DPM-Solver++(1), which equals DDIM η = 0). The last step goes
-    to σ = 0, λ = ∞, where the update reduces to x̂₀ (the lower-order final step; 2nd order is
-    undefined there). ``clip_denoised`` clamps x̂₀ to [−1, 1] (Med-DDPM's clipping; the paper's
-    dynamic thresholding with ratio 1 on data in [−1, 1]).
-
-    ``variant="sde"`` is SDE-DPM-Solver++(2M) (Lu et al. 2022b, Sec. 4 / App. B; diffusers'
-    "sde-dpmsolver++"): the exponential integrator of the reverse SDE, with fresh noise z each step,
-    x_{t'} = (σ_{t'}/σ_t)·e^{−h}·x_t + α_{t'}·(1 − e^{−2h})·D + σ_{t'}·√(1 − e^{−2h})·z.
-    Why it exists: the ODE carries the model's ε error, amplified by σ_t/α_t into x̂₀ at high t,
-    forward as image content, while fresh noise lets later, more accurate predictions wash it out.
-    On the quality model (ε error ~3.5 % at t ≥ 200) the ODE samplers leave voxel noise that even
-    250 DDIM η = 0 steps keep, and failed the earlier N = 4 quality gate at 10-100 steps; the SDE
-    variant's voxel noise is at DDPM-250's level from 25 steps, and at 100 steps it passed that gate
-    (docs/results/history.md); the N >= 32 gate has not judged it yet.
-    """
-
-    sequential = True
-
-    def __init__(self, schedule: NoiseSchedule, order: int = 2, variant: str = "ode",
-                 clip_denoised: bool = True, spacing: str = "trailing"):
-        if order not in (1, 2):
-            raise ValueError(f"sampler.order for dpm_solver_pp must be 1 or 2; got {order}")
-        if variant not in ("ode", "sde"):
-            raise ValueError(f"sampler.variant for dpm_solver_pp must be 'ode' or 'sde'; got {variant!r}")
-        self.order, self.variant = order, variant
-        self.stochastic = variant == "sde"
-        super().__init__(schedule, clip_denoised, spacing)
-
-    def set_timesteps(self, num_inference_steps: int) -> None:
-        super().set_timesteps(num_inference_steps)
-        self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]
-
-    def reset_history(self) -> None:
-        self._prev_x0: torch.Tensor | None = None
-        self._prev_h = 0.0
-
-    def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
-        k = self._index(t)
-        pred_x0 = self._x0(x_t, model_output, k)
-        if k == self.num_inference_steps - 1:  # σ_{t'} = 0: x_{t'} = x̂₀
-            self.reset_history()
-            return StepOutput(pred_x0, pred_x0)
-        h = self.lam[k + 1] - self.lam[k]
-        d = pred_x0
-        if self.order == 2 and self._prev_x0 is not None:
-            c = 0.5 * h / self._prev_h  # 1/(2r)
-            d = (1 + c) * pred_x0 - c * self._prev_x0
-        if self.variant == "ode":
-            prev = (self.sigma[k + 1] / self.sigma[k]) * x_t - self.alpha[k + 1] * math.expm1(-h) * d
-        else:
-            noise = self._fresh_noise(noise, x_t, generator)
-            prev = ((self.sigma[k + 1] / self.sigma[k] * math.exp(-h)) * x_t
-                    - self.alpha[k + 1] * math.expm1(-2 * h) * d
-                    + self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * h)) * noise)
-        self._prev_x0, self._prev_h = pred_x0, h
-        return StepOutput(prev, pred_x0)
-
-
-# Adams–Bashforth weights for equal steps, newest first (iPNDM's; Zhang & Chen 2023, App.)
-AB_COEFFICIENTS = {1: (1.0,), 2: (3 / 2, -1 / 2), 3: (23 / 12, -16 / 12, 5 / 12)}
-
-
 def lagrange_exp_weights(nodes: Sequence[float], a: float, b: float) -> list[float]:
     """∫_a^b ℓ_j(v)·e^v dv for each Lagrange basis polynomial ℓ_j on ``nodes`` (newest first).
 
-    These are the tAB-DEIS weights in the time variable v = log ρ (ρ = σ/α), where dρ = e^v dv.
-    Exact for polynomials: ∫ p(v)·e^v dv = e^v·Σ_m (−1)^m·p^{(m)}(v).
+    These are the tAB-DEIS weights in the time variable v = log ρ (ρ = σ/α), where dρ = e^v dv, and the
+    DPM-Solver++(3M) weights in v = λ (ODE) or v = 2λ (SDE). Exact for polynomials:
+    ∫ p(v)·e^v dv = e^v·Σ_m (−1)^m·p^{(m)}(v).
     """
     weights = []
     for j, v_j in enumerate(nodes):
@@ -341,6 +298,93 @@ def lagrange_exp_weights(nodes: Sequence[float], a: float, b: float) -> list[flo
 
         weights.append(float(antiderivative(b) - antiderivative(a)))
     return weights
+
+
+class DPMSolverPPSampler(FewStepSampler):
+    """DPM-Solver++(2M) / (3M), multistep, data prediction (Lu et al. 2022b, Alg. 2) on the trained schedule.
+
+    λ_t = log α_t − log σ_t from the discrete ᾱ; with h = λ_{t'} − λ_t and r = h_prev/h,
+    x_{t'} = (σ_{t'}/σ_t)·x_t − α_{t'}·(e^{−h} − 1)·D,  D = (1 + 1/2r)·x̂₀_t − (1/2r)·x̂₀_prev
+    (D = x̂₀_t on the first step: DPM-Solver++(1), which equals DDIM η = 0). The last step goes
+    to σ = 0, λ = ∞, where the update reduces to x̂₀ (the lower-order final step; 2nd order is
+    undefined there). ``clip_denoised`` clamps x̂₀ to [−1, 1] (Med-DDPM's clipping; the paper's
+    dynamic thresholding with ratio 1 on data in [−1, 1]).
+
+    ``order=3`` (3M) uses, from the third step on, the exact variation-of-constants form
+    (Lu et al. 2022b, eq. 8) x_{t'} = (σ_{t'}/σ_t)·x_t + σ_{t'}·∫_{λ_t}^{λ_{t'}} e^{λ}·x̂₀(λ) dλ with x̂₀(λ)
+    the quadratic through the last three x̂₀, integrated exactly (:func:`lagrange_exp_weights`; the
+    multistep exponential integrator of DEIS, here on x̂₀ in λ). Steps 1 and 2 are the (1) and (2M) steps.
+
+    ``variant="sde"`` is SDE-DPM-Solver++ (Lu et al. 2022b, Sec. 4 / App. B; diffusers'
+    "sde-dpmsolver++"): the exponential integrator of the reverse SDE, with fresh noise z each step,
+    x_{t'} = (σ_{t'}/σ_t)·e^{−h}·x_t + α_{t'}·(1 − e^{−2h})·D + σ_{t'}·√(1 − e^{−2h})·z, and for 3M
+    2α_{t'}·∫ e^{−2(λ_{t'}−λ)}·x̂₀(λ) dλ = (σ_{t'}²/α_{t'})·∫_{2λ_t}^{2λ_{t'}} e^{v}·x̂₀(v/2) dv in place of the D term.
+    Why it exists: the ODE carries the model's ε error, amplified by σ_t/α_t into x̂₀ at high t,
+    forward as image content, while fresh noise lets later, more accurate predictions wash it out.
+    On the quality model (ε error ~3.5 % at t ≥ 200) the ODE samplers leave voxel noise that even
+    250 DDIM η = 0 steps keep, and failed the earlier N = 4 quality gate at 10-100 steps; the SDE
+    2M variant's voxel noise is at DDPM-250's level from 25 steps, and at 100 steps it passed that gate
+    (docs/results/history.md); the N >= 32 gate has not judged it, nor any 3M run, yet.
+    """
+
+    sequential = True
+
+    def __init__(self, schedule: NoiseSchedule, order: int = 2, variant: str = "ode",
+                 clip_denoised: bool = True, spacing: str = "trailing", timesteps: Sequence[int] | None = None):
+        if order not in (1, 2, 3):
+            raise ValueError(f"sampler.order for dpm_solver_pp must be 1, 2 or 3; got {order}")
+        if variant not in ("ode", "sde"):
+            raise ValueError(f"sampler.variant for dpm_solver_pp must be 'ode' or 'sde'; got {variant!r}")
+        self.order, self.variant = order, variant
+        self.stochastic = variant == "sde"
+        super().__init__(schedule, clip_denoised, spacing, timesteps)
+
+    def set_timesteps(self, num_inference_steps: int) -> None:
+        super().set_timesteps(num_inference_steps)
+        self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]
+        third = range(2, num_inference_steps - 1) if self.order == 3 else ()
+        self._third = {k: self._third_order_weights(k) for k in third}
+
+    def _third_order_weights(self, k: int) -> list[float]:
+        """x-space weights of x̂₀_k, x̂₀_{k−1}, x̂₀_{k−2} in the 3M step k (class docstring)."""
+        nodes = self.lam[k - 2 : k + 1][::-1]
+        if self.variant == "ode":
+            w = lagrange_exp_weights(nodes, self.lam[k], self.lam[k + 1])
+            return [self.sigma[k + 1] * w_j for w_j in w]
+        w = lagrange_exp_weights([2 * v for v in nodes], 2 * self.lam[k], 2 * self.lam[k + 1])
+        return [self.sigma[k + 1] ** 2 / self.alpha[k + 1] * w_j for w_j in w]
+
+    def reset_history(self) -> None:
+        self._x0s: list[torch.Tensor] = []  # x̂₀ of the previous steps, newest first
+
+    def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
+        k = self._index(t)
+        pred_x0 = self._x0(x_t, model_output, k)
+        if k == self.num_inference_steps - 1:  # σ_{t'} = 0: x_{t'} = x̂₀
+            self.reset_history()
+            return StepOutput(pred_x0, pred_x0)
+        h = self.lam[k + 1] - self.lam[k]
+        decay = self.sigma[k + 1] / self.sigma[k] * (1.0 if self.variant == "ode" else math.exp(-h))
+        if self.order == 3 and len(self._x0s) >= 2:
+            prev = decay * x_t
+            for w_j, x0_j in zip(self._third[k], [pred_x0, *self._x0s]):
+                prev = prev + w_j * x0_j
+        else:
+            d = pred_x0
+            if self.order >= 2 and self._x0s:
+                c = 0.5 * h / (self.lam[k] - self.lam[k - 1])  # 1/(2r)
+                d = (1 + c) * pred_x0 - c * self._x0s[0]
+            gain = -math.expm1(-h) if self.variant == "ode" else -math.expm1(-2 * h)
+            prev = decay * x_t + self.alpha[k + 1] * gain * d
+        if self.variant == "sde":
+            noise = self._fresh_noise(noise, x_t, generator)
+            prev = prev + self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * h)) * noise
+        self._x0s = [pred_x0, *self._x0s][:2]
+        return StepOutput(prev, pred_x0)
+
+
+# Adams–Bashforth weights for equal steps, newest first (iPNDM's; Zhang & Chen 2023, App.)
+AB_COEFFICIENTS = {1: (1.0,), 2: (3 / 2, -1 / 2), 3: (23 / 12, -16 / 12, 5 / 12)}
 
 
 class DEISSampler(FewStepSampler):
@@ -365,13 +409,14 @@ class DEISSampler(FewStepSampler):
         variant: str = "tab",
         clip_denoised: bool = True,
         spacing: str = "trailing",
+        timesteps: Sequence[int] | None = None,
     ):
         if order not in AB_COEFFICIENTS:
             raise ValueError(f"sampler.order for deis must be in {sorted(AB_COEFFICIENTS)}; got {order}")
         if variant not in ("tab", "ipndm"):
             raise ValueError(f"sampler.variant for deis must be 'tab' or 'ipndm'; got {variant!r}")
         self.order, self.variant = order, variant
-        super().__init__(schedule, clip_denoised, spacing)
+        super().__init__(schedule, clip_denoised, spacing, timesteps)
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         super().set_timesteps(num_inference_steps)
@@ -412,11 +457,13 @@ SAMPLERS: dict[str, type[Sampler]] = {
 
 
 def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, **kwargs) -> Sampler:
-    """Sampler by config name, with its timesteps set (``steps`` defaults to T)."""
+    """Sampler by config name, with its timesteps set (``steps`` defaults to T, or to the length of an
+    explicit ``timesteps`` grid)."""
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
-    sampler = SAMPLERS[name](schedule, **kwargs)
-    sampler.set_timesteps(schedule.num_train_timesteps if steps is None else steps)
+    sampler = SAMPLERS[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
+    if steps is not None:
+        sampler.set_timesteps(steps)
     return sampler
 
 

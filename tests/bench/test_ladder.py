@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.ladder import PRESETS, compose_job, ladder_jobs, missing_recipes, run
+from bench.ladder import COMMAND_PRESETS, PRESETS, compose_job, ladder_jobs, missing_recipes, run
 from bench.records import baseline_key, job_key, recipe_label
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
@@ -69,7 +69,9 @@ def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=tuning", f"out={tmp_path}"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
-        "bench.ladder: unknown preset=tuning; known: smoke, gpu, core, targets, quality, quality_pair, e2e, quality_training")
+        f"bench.ladder: unknown preset=tuning; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
+    assert {"smoke", "gpu", "core", "targets", "quality", "quality_pair", "samplers", "e2e"} <= set(PRESETS)
+    assert set(COMMAND_PRESETS) == {"e2e", "quality_training"}
 
 
 def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):
