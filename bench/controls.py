@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from optim.base import Recipe
+from optim.base import Capabilities, Recipe
 
 
 class _OutputMap(nn.Module):
@@ -41,8 +41,7 @@ class _OutputMap(nn.Module):
 class _Control(Recipe):
     """A test-only recipe: never exact, labelled with its parameters (the dataclass fields)."""
 
-    exact: ClassVar[bool] = False
-    tolerance: ClassVar[dict[str, float]] = {"rtol": float("inf"), "atol": float("inf")}
+    capabilities = Capabilities(exact=False, tolerance={"rtol": float("inf"), "atol": float("inf")})
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}

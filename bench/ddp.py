@@ -86,8 +86,8 @@ def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> tuple[float | Non
     row records that run's id and commit (``baseline_source``) and the report labels the efficiency with it."""
     if not path.exists():
         return None, None
-    same = [r for r in read_rows(path) if r.get("scenario") == SCENARIO and r.get("status") == "ok"
-            and r.get("world_size") == 1 and r.get("grad_accum") == row["grad_accum"] and job_key(r) == job_key(row)]
+    one = job_key({**row, "world_size": 1})  # the same workload in a world of one
+    same = [r for r in read_rows(path) if r.get("status") == "ok" and job_key(r) == one]
     if not same:
         return None, None
     return same[-1]["volumes_per_s"], {"run_id": same[-1].get("run_id"), "git_sha": same[-1].get("git_sha")}

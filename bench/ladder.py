@@ -48,7 +48,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bench.records import RESULTS_FILE, append_row, job_key, provenance, read_rows
+from bench.records import RESULTS_FILE, append_row, baseline_key, is_baseline, job_key, provenance, read_rows
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
@@ -75,12 +75,6 @@ def _recipe(stack: Stack) -> str:
 
 def _unique(stacks: list[Stack]) -> list[Stack]:
     return list(dict.fromkeys(stacks))
-
-
-def _with(stack: Stack, name: str, after: str = "amp_bf16") -> Stack:
-    """``stack`` with ``name`` inserted after ``after`` (or first): labels read in a fixed order."""
-    at = stack.index(after) + 1 if after in stack else 0
-    return (*stack[:at], name, *stack[at:])
 
 
 def gpu_ladder(best: Stack) -> Iterator[Job]:
@@ -130,10 +124,10 @@ def core_ladder(best: Stack) -> Iterator[Job]:
 def targets_ladder() -> Iterator[Job]:
     """The two shipped experiments against the strict-FP32 baseline of each workload, 128^3, batch 1:
     ``experiment=fast_sample``'s forward and sample (its sampler, and DDPM-250 with its stack), and
-    ``experiment=fast_train``'s training step. The FP32 250-step sample runs last, so a short budget
-    cuts only it."""
+    ``experiment=fast_train``'s training step (at its batch and accumulation, read from its config). The FP32
+    250-step sample runs last, so a short budget cuts only it."""
     yield ["bench=denoise_step", "recipe=[]"]
-    yield ["bench=train_step", "recipe=[]"]
+    yield ["bench=train_step", "recipe=[]", *experiment_train_settings("fast_train")]
     yield ["experiment=fast_sample", "bench=denoise_step"]
     yield ["experiment=fast_train", "bench=train_step"]
     yield ["experiment=fast_sample", "bench=full_sample", *DDPM_250, "bench.iters=3"]  # the stack alone
@@ -141,6 +135,12 @@ def targets_ladder() -> Iterator[Job]:
     yield FP32_SAMPLE
 
 
+def experiment_train_settings(experiment: str) -> list[str]:
+    """``experiment``'s training batch and accumulation as overrides (read from its config, the one source), so
+    a strict-FP32 baseline times the same step as the experiment's stack."""
+    with _configs():
+        train = compose("bench", overrides=[f"experiment={experiment}", "bench=train_step", "output_dir=."]).train
+    return [f"train.batch_size={train.batch_size}", f"train.grad_accum={train.grad_accum}"]
 
 
 def swapped_experiment(experiment: str, old: str, new: str) -> list[str]:
@@ -303,40 +303,56 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
                complete_baselines: bool = True) -> int:
     """Run the jobs not yet in ``out/results.jsonl`` until the budget is spent; return jobs left.
 
+    A speed-up is only ever against the strict-FP32 row of the same run (one launch), so before the first job
+    of a workload that this launch measures, the workload's baseline job is measured too, even when an earlier
+    (cut) launch already has a row for it: a resumed ladder's rows get their own baseline.
+
     ``refresh``: a regex over a job's overrides; matching jobs rerun unless this code measured them.
     ``complete_baselines``: spend what is left of the budget on strict-FP32 baselines the results miss.
     """
     out.mkdir(parents=True, exist_ok=True)
     done, current = finished_jobs(out, refresh)
     start, left = time.monotonic(), 0
-    for n, overrides in enumerate(jobs):
-        if missing := missing_recipes(overrides):
-            print(f"[skip] {' '.join(overrides)}: no recipe config for {missing}")
-            continue
-        job_dir = out / "jobs" / f"{n:03d}"
-        job = compose_job(overrides, job_dir)
-        stale_ok = not (refresh and re.search(refresh, " ".join(overrides)))
-        if job_key(base_row(job)) in (done if stale_ok else current):
-            continue
+    specs = {n: compose_job(o, out / "jobs" / f"{n:03d}") for n, o in enumerate(jobs) if not missing_recipes(o)}
+    baselines = {baseline_key(base_row(spec)): n for n, spec in specs.items() if is_baseline(base_row(spec))}
+    measured: set[str] = set()  # workloads whose baseline this launch measured
+
+    def measure(n: int) -> bool:
+        """Run job ``n``; False when the budget ran out (no row)."""
         remaining = budget_s - (time.monotonic() - start)
-        if dry_run or remaining <= 0:
+        full = float(specs[n]["config"]["bench"]["timeout_s"])
+        timeout = min(full, remaining)
+        row = run_job(specs[n], out / "jobs" / f"{n:03d}", timeout)
+        if cut_by_budget(row, timeout, full, budget_s):
+            print(f"[cut] {' '.join(jobs[n])}: the time budget ran out; rerun to measure it")
+            return False
+        append_row(out / RESULTS_FILE, row)
+        log_row(row)
+        if is_baseline(row):
+            measured.add(baseline_key(row))
+        return True
+
+    for n, overrides in enumerate(jobs):
+        if n not in specs:
+            print(f"[skip] {' '.join(overrides)}: no recipe config for {missing_recipes(overrides)}")
+            continue
+        key = baseline_key(base_row(specs[n]))
+        stale_ok = not (refresh and re.search(refresh, " ".join(overrides)))
+        if job_key(base_row(specs[n])) in (done if stale_ok else current) or key in measured and n == baselines[key]:
+            continue
+        if dry_run or budget_s - (time.monotonic() - start) <= 0:
             left += 1
             print(f"[todo] {' '.join(overrides)}")
             continue
-        full = float(job["config"]["bench"]["timeout_s"])
-        timeout = min(full, remaining)
-        row = run_job(job, job_dir, timeout)
-        if cut_by_budget(row, timeout, full, budget_s):
-            left += 1  # no row: a rerun measures it
-            print(f"[cut] {' '.join(overrides)}: the time budget ran out; rerun to measure it")
+        if key in baselines and key not in measured and baselines[key] != n and not measure(baselines[key]):
+            left += 1
             continue
-        append_row(out / RESULTS_FILE, row)
-        log_row(row)
+        if not measure(n):
+            left += 1
     if complete_baselines and not dry_run and budget_s - (time.monotonic() - start) > 0:
         EnsureBaseline.complete(out, budget_s - (time.monotonic() - start))
     print(f"ladder: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
     return left
-
 
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
     """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""

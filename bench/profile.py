@@ -46,7 +46,7 @@ from omegaconf import DictConfig
 
 from bench import kernels
 from bench.records import recipe_label
-from bench.scenarios import prepared_step
+from bench.scenarios import batch_size, prepared_step
 from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from med_ddpm import cli
@@ -122,7 +122,7 @@ def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], 
     for k in top:
         k["launched_by"] = (launchers or {}).get(k["name"], "")
     return {
-        "label": label, "scenario": cfg["bench"]["scenario"], "batch_size": cfg["bench"]["batch_size"],
+        "label": label, "scenario": cfg["bench"]["scenario"], "batch_size": batch_size(cfg),
         "activity": "GPU kernels" if device.type == "cuda" else "CPU operator self time",
         "steps": steps,
         "categories_ms": {k: v / 1e3 / steps for k, v in kernels.breakdown(times).items()},
@@ -137,7 +137,7 @@ def profile_label(job: dict[str, Any]) -> str:
     """The stack's label (``fp32`` for none), with the batch size when it is not 1: profiles of one
     stack at two batch sizes are two columns of profile.md and two JSON files."""
     label = recipe_label(job, baseline="fp32")
-    batch = int(job["config"]["bench"]["batch_size"])
+    batch = batch_size(job["config"])
     return label if batch == 1 else f"{label} (batch {batch})"
 
 

@@ -40,7 +40,7 @@ precision          ``fp32`` | ``tf32`` | ``bf16`` | ``fp16``, read from the live
 peak_fraction      tflops / datasheet dense peak for that precision
 quality            the quality gate's report (null unless ``bench.quality``)
 describe           the recipe stack's ``describe()``
-env                ``med_ddpm.utils.env_info()``: GPU, CC, driver, CUDA, cuDNN, torch, monai, git sha, host
+env                ``med_ddpm.utils.env_info()``: GPU, CC, driver, CUDA, cuDNN, torch, monai, host (old rows: git sha)
 run_id             the launch that wrote the row (rows written before run ids existed have none)
 git_sha, dirty     the code's commit and whether the tree differed from it (``unknown``, null: not known)
 config             the resolved job config (reruns and the auto-added baseline use it)
@@ -70,7 +70,7 @@ STAMP_FILE = ROOT / ".provenance.json"
 RUN_ID_ENV = "MED_DDPM_RUN_ID"
 CODE_SUFFIXES = (".py", ".yaml", ".toml", ".cfg")  # what decides a measurement; results and docs do not
 UNKNOWN = "unknown"
-IDENTITY_FIELDS = ("scenario", "model", "image_size", "batch_size", "sampler", "steps")
+IDENTITY_FIELDS = ("scenario", "model", "image_size", "batch_size", "grad_accum", "world_size", "sampler", "steps")
 # Filled by a successful measurement; present as null in every other row, so all rows share keys.
 MEASURED_FIELDS = ("ms_median", "ms_p10", "ms_p90", "iqr_pct", "ms_mean", "ms_std", "iters", "warmup",
                    "first_call_s", "compile_s", "peak_mem_gib", "volumes_per_s", "voxels_per_s", "flops",

@@ -36,7 +36,7 @@ from typing import Any
 from bench.records import UNKNOWN, baseline_key, is_baseline, job_key, read_rows, recipe_label
 from med_ddpm.utils import atomic_write_text
 
-COLUMNS = ("scenario", "model", "batch_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
+COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
            "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s", "tflops",
            "peak_fraction", "precision", "compile_s", "quality", "quality_value", "code", "run_id", "message")
 LEGACY_RUN = "legacy (no run id)"

@@ -157,9 +157,16 @@ def model_calls(cfg: Mapping) -> int:
     return 1
 
 
+def batch_size(cfg: Mapping) -> int:
+    """Volumes per forward. A train step's micro-batch is the loop's ``train.batch_size``, which follows
+    ``bench.batch_size`` unless an experiment sets it (``experiment=fast_train`` trains at 2): the step timed is
+    the step the experiment trains with."""
+    return int(cfg["train"]["batch_size"] if cfg["bench"]["scenario"] == "train_step" else cfg["bench"]["batch_size"])
+
+
 def volumes_per_call(cfg: Mapping) -> int:
     """Volumes one scenario call processes: a train step's micro-batches together, else one batch."""
-    batch = int(cfg["bench"]["batch_size"])
+    batch = batch_size(cfg)
     return batch * model_calls(cfg) if cfg["bench"]["scenario"] == "train_step" else batch
 
 
@@ -170,7 +177,7 @@ def model_flops(cfg: Mapping) -> int:
     checkpointing or a kernel's own choice of algorithm does not change them, so achieved
     TFLOP/s compare across recipes. Training counts forward + backward; Adam is not counted.
     """
-    scenario, batch = cfg["bench"]["scenario"], int(cfg["bench"]["batch_size"])
+    scenario, batch = cfg["bench"]["scenario"], batch_size(cfg)
     with torch.device("meta"):
         model = build_model(cfg["model"])
         x = torch.empty(batch, model.in_channels, *cfg["model"]["image_size"])
@@ -202,7 +209,6 @@ def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
     Raises:
         UnsupportedStack: a recipe cannot run on ``device``.
     """
-    bench = cfg["bench"]
     stack = RecipeStack.from_config(cfg.get("recipe") or {})
     ok, reason = stack.supported(device)
     if not ok:
@@ -214,7 +220,7 @@ def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
         net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"])).to(device)
         ema = new_ema(net, float(cfg["train"]["ema_decay"])) if _with_ema(cfg) else None  # before prepare, as build()
         schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
-        x0, cond = make_inputs(cfg["model"], int(bench["batch_size"]), device, int(cfg["seed"]))
+        x0, cond = make_inputs(cfg["model"], batch_size(cfg), device, int(cfg["seed"]))
         yield Parts(net, stack.prepare_model(net), ema, schedule, stack, x0, cond)
 
 

@@ -34,7 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bench.records import MEASURED_FIELDS
-from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, run_scenario
+from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, batch_size, run_scenario
 from med_ddpm.quality import gate_from_config
 from med_ddpm.sample import CONFIG_DIR
 from med_ddpm.samplers import sampler_options
@@ -102,7 +102,7 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
         "scenario": cfg["bench"]["scenario"],
         "model": job["model"],
         "image_size": list(cfg["model"]["image_size"]),
-        "batch_size": int(cfg["bench"]["batch_size"]),
+        "batch_size": batch_size(cfg),
         "grad_accum": int(cfg["train"]["grad_accum"]) if training else None,
         "sampler": sampler_label(cfg["sampler"]) if sampling else None,
         "steps": (cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"]) if sampling else None,

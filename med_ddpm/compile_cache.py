@@ -1,6 +1,6 @@
 """Compile once per machine: the project's cache of ``torch.compile`` results.
 
-A compiled recipe (``compile``, ``compile_cudagraphs``, ``compile_max_autotune``) makes the first step of
+A compiled recipe (``compile``, ``compile_cudagraphs``) makes the first step of
 every new process pay inductor's code generation and Triton's kernel compilation: about a minute for the
 128^3 U-Net. Two layers keep that to the first run on a machine:
 

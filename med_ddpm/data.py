@@ -57,7 +57,6 @@ BAD_FILE_MODES = ("error", "skip")
 SEG_LABEL_MODES = ("auto", "raw", "medddpm")
 BRATS_LAYOUTS = ("auto", "per_case", "per_modality")
 BRATS_MODALITIES = ("t1", "t1ce", "t2", "flair")  # target channel order of the original
-BRATS_RAW_LABELS = (0, 1, 2, 4)  # BraTS 2021 release: no healthy-brain label, enhancing tumour is 4
 NIFTI_AXES_TO_MODEL = (0, 3, 2, 1)  # (C, i, j, k) -> (C, k, j, i); its own inverse
 
 

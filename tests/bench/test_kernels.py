@@ -113,7 +113,7 @@ def test_profiles_of_one_stack_at_two_batch_sizes_get_two_labels_and_files():
     from bench.profile import profile_label, slug
 
     def job(batch: int, recipes: list[str]) -> dict:
-        return {"recipes": recipes, "recipe_options": [], "config": {"bench": {"batch_size": batch}}}
+        return {"recipes": recipes, "recipe_options": [], "config": {"bench": {"batch_size": batch, "scenario": "denoise_step"}}}
 
     assert profile_label(job(1, [])) == "fp32"
     one, four = profile_label(job(1, ["amp_bf16"])), profile_label(job(4, ["amp_bf16"]))

@@ -172,3 +172,32 @@ def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
     # every workload has its strict-FP32 baseline but the experiment's own sampler, whose baseline is DDPM-250
     unmatched = [s["config"]["sampler"]["name"] for s in specs if s["recipes"] and baseline_key(base_row(s)) not in baselines]
     assert unmatched == ["dpm_solver_pp"]
+
+
+def test_a_resumed_ladder_measures_each_workload_s_baseline_in_its_own_run(tmp_path, monkeypatch):
+    """A cut ladder's baseline row belongs to the earlier launch: the resumed launch measures the baseline of
+    every workload it times again, first, so each speed-up is against a baseline of the same run."""
+    from bench import ladder
+    from bench.records import RESULTS_FILE, append_row, new_run, read_rows
+
+    jobs = [["experiment=bench_smoke", "bench=train_step", "recipe=[]"],
+            ["experiment=bench_smoke", "bench=train_step", "recipe=[amp_bf16]"],
+            ["experiment=bench_smoke", "bench=denoise_step", "recipe=[]"]]
+    ran: list[list[str]] = []
+
+    def fake_run_job(job, job_dir, timeout):
+        ran.append(job["recipes"] and job["recipes"] or [])
+        return {**base_row(job), "status": "ok", "message": "", "ms_median": 1.0}
+
+    monkeypatch.setattr(ladder, "run_job", fake_run_job)
+    new_run()
+    first = compose_job(jobs[0], tmp_path / "a")
+    append_row(tmp_path / RESULTS_FILE, {**base_row(first), "status": "ok", "message": ""})  # the cut launch's row
+    new_run()
+    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
+    assert ran == [[], ["amp_bf16"], []]  # train_step's baseline again (before amp_bf16), then denoise's
+    rows = read_rows(tmp_path)
+    latest = {r["run_id"] for r in rows[1:]}
+    assert len(latest) == 1 and rows[0]["run_id"] not in latest
+    ran.clear()
+    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0 and ran == []
