@@ -55,6 +55,7 @@ from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from bench.worker import base_row
 from med_ddpm import cli
+from med_ddpm.errors import ConfigError
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 
@@ -223,10 +224,10 @@ def check_options(c: Mapping[str, Any]) -> None:
     """Bad ``counters.*`` values end the command with one line that names the option (SystemExit)."""
     unknown = sorted(set(c["metrics"]) - set(FIELDS))
     if unknown:
-        raise SystemExit(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
+        raise ConfigError(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
                          f"use one of {', '.join(FIELDS)}")
     if int(c["steps"]) < 1 or int(c["warmup"]) < 0:
-        raise SystemExit(f"counters.steps={c['steps']} / counters.warmup={c['warmup']}: need steps >= 1 and warmup >= 0")
+        raise ConfigError(f"counters.steps={c['steps']} / counters.warmup={c['warmup']}: need steps >= 1 and warmup >= 0")
 
 
 def platform_fields() -> dict[str, Any]:

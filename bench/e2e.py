@@ -54,6 +54,7 @@ from hydra import compose, initialize_config_dir
 
 from bench.records import RESULTS_FILE, append_row, read_rows
 from bench.worker import OOM_PATTERN, STDERR_TAIL
+from med_ddpm.errors import ConfigError
 from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.utils import atomic_write_text, env_info
@@ -78,7 +79,7 @@ def cycled_masks(source: Path, count: int, folder: Path) -> Path:
     """``folder`` with ``count`` masks, links to the files of ``source`` in turn (mask_000.nii.gz, ...)."""
     files = sorted(p for p in source.iterdir() if p.name.endswith((".nii.gz", ".nii")))
     if not files:
-        raise SystemExit(f"bench.e2e: {source} has no .nii/.nii.gz masks (set masks_dir=DIR)")
+        raise ConfigError(f"bench.e2e: {source} has no .nii/.nii.gz masks (set e2e.masks_dir=DIR)")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     for i in range(count):
@@ -99,7 +100,7 @@ def command(own: Mapping[str, str], overrides: list[str], args: Mapping[str, str
     run_dir = job_dir / "run"
     if own["scenario"] == "e2e_sample":
         if "checkpoint" not in args:
-            raise SystemExit("bench.e2e: sampling jobs need checkpoint=PATH (an original Med-DDPM or this project's)")
+            raise ConfigError("bench.e2e: sampling jobs need e2e.checkpoint=PATH (an original Med-DDPM or this project's)")
         masks = cycled_masks(Path(args.get("masks_dir") or Path(args["data_root"]) / "mask"), int(own.get("masks", 4)),
                              job_dir / "masks")
         return ["med_ddpm.sample", f"checkpoint={args['checkpoint']}", f"masks={masks}", *overrides,

@@ -52,7 +52,7 @@ from bench.records import RESULTS_FILE, append_row, baseline_key, is_baseline, j
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
-from med_ddpm.errors import check_int
+from med_ddpm.errors import ConfigError, check_int
 
 Stack = tuple[str, ...]
 Job = list[str]  # Hydra overrides of configs/bench.yaml
@@ -167,7 +167,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     The gate's cost is its trajectories at batch N, so the cheap probe-only controls run early and a short budget
     cuts the last jobs, which a rerun finishes."""
     if checkpoint is None:
-        raise SystemExit("bench.ladder preset=quality needs checkpoint=PATH (python -m med_ddpm.train "
+        raise ConfigError("bench.ladder preset=quality needs checkpoint=PATH (python -m med_ddpm.train "
                          "experiment=quality_model writes one)")
     common = ["model=quality_model", "bench.quality=true", f"bench.checkpoint={checkpoint}",
               f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
@@ -194,7 +194,7 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterato
     only the weights differ. The row's time is the reference's FP32 forward. ``preset=quality_training`` trains
     such a pair (strict FP32 and ``experiment=fast_train``'s stack) and gates it with this preset."""
     if reference is None or candidate is None:
-        raise SystemExit("bench.ladder preset=quality_pair needs checkpoint=PATH (the reference's weights) and "
+        raise ConfigError("bench.ladder preset=quality_pair needs checkpoint=PATH (the reference's weights) and "
                          "candidate_checkpoint=PATH")
     yield ["model=quality_model", "bench=denoise_step", "bench.batch_size=4", "bench.warmup=1", "bench.iters=3",
            "recipe=[]", "sampler=ddpm", "bench.quality=true", f"bench.checkpoint={reference}",
@@ -207,7 +207,7 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
     ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`). Issue: 25 calls or fewer."""
     if checkpoint is None:
-        raise SystemExit("bench.ladder preset=samplers needs checkpoint=PATH (python -m med_ddpm.train "
+        raise ConfigError("bench.ladder preset=samplers needs checkpoint=PATH (python -m med_ddpm.train "
                          "experiment=quality_model writes one)")
     gate = [f"bench.checkpoint={checkpoint}", f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
     gated = ["model=quality_model", "bench.quality=true", *gate, "bench=full_sample", "bench.batch_size=32",
@@ -357,7 +357,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
     """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
     if not cfg.e2e.data_root:
-        raise SystemExit("bench.ladder: preset=e2e needs e2e.data_root=DIR (a whole-head DATA folder with image/ and "
+        raise ConfigError("bench.ladder: preset=e2e needs e2e.data_root=DIR (a whole-head DATA folder with image/ and "
                          "mask/); sampling jobs also e2e.checkpoint=PATH")
     args = {"out": cfg.out, **{k: v for k, v in cfg.e2e.items() if v is not None}}
     if cfg.budget_s is not None:
@@ -388,7 +388,7 @@ def ladder_jobs(cfg: DictConfig) -> list[Job]:
     """The jobs of ``cfg.preset``, only those ``cfg.only`` (a regex over a job's overrides) names if set."""
     if cfg.preset not in PRESETS:
         known = ", ".join({**PRESETS, **COMMAND_PRESETS})
-        raise SystemExit(f"bench.ladder: unknown preset={cfg.preset}; known: {known}")
+        raise ConfigError(f"bench.ladder: unknown preset={cfg.preset}; known: {known}")
     jobs = list(PRESETS[cfg.preset](cfg))
     return [job for job in jobs if re.search(cfg.only, " ".join(job))] if cfg.only else jobs
 

@@ -327,7 +327,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metric", default=QUALITY_METRIC, help="quality-gate number for the Pareto plot")
     parser.add_argument("--wandb", action="store_true", help="also log the table and PNGs to W&B")
     args = parser.parse_args(argv)
-    print(write_report(args.sweep_dir, args.metric, args.wandb))
+    try:
+        print(write_report(args.sweep_dir, args.metric, args.wandb))
+    except FileNotFoundError as err:  # a user's path: one line, exit 2, like every command (med_ddpm.cli)
+        print(f"error: {err}; pass the folder a sweep or ladder wrote", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -269,3 +269,11 @@ def test_a_bug_keeps_its_traceback(bug, capsys):
     with pytest.raises(type(bug)):
         cli.entry(task)(OmegaConf.create({"output_dir": "/tmp/x"}))
     assert capsys.readouterr().err == ""
+
+
+def test_report_of_a_folder_without_results_is_one_line(tmp_path, capsys):
+    from bench import report
+
+    assert report.main([str(tmp_path / "none")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"error: .*none: no results file .*; pass the folder a sweep or ladder wrote", lines[0])

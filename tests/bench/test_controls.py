@@ -11,6 +11,7 @@ from bench.ladder import compose_job, quality_ladder
 from bench.records import job_key, recipe_label
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
+from med_ddpm.errors import ConfigError
 from med_ddpm.model import UNet3D
 from med_ddpm.quality import gate_from_config, randomize_zero_init
 
@@ -109,7 +110,7 @@ def test_quality_ladder_gates_fast_sample_exactly_as_shipped(tmp_path):
 
 
 def test_quality_ladder_needs_a_checkpoint():
-    with pytest.raises(SystemExit, match="checkpoint=PATH"):
+    with pytest.raises(ConfigError, match="checkpoint=PATH"):
         list(quality_ladder(None))
 
 

@@ -24,6 +24,7 @@ from bench import counter_claims, counters, ncu
 from bench.records import append_row, read_rows
 from bench.sweep import job_spec
 from bench.worker import base_row
+from med_ddpm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -302,9 +303,9 @@ def test_profiled_step_job_round_trips(fake_ncu, tmp_path):
 
 def test_bad_counter_options_end_with_one_line():
     c = job()["config"]["counters"]
-    with pytest.raises(SystemExit, match=r"counters.metrics.cycles is not a field"):
+    with pytest.raises(ConfigError, match=r"counters.metrics.cycles is not a field"):
         counters.check_options({**c, "metrics": {**c["metrics"], "cycles": "sm__cycles_elapsed.max"}})
-    with pytest.raises(SystemExit, match=r"counters.steps=0"):
+    with pytest.raises(ConfigError, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
     counters.check_options(c)  # the shipped config is valid
 

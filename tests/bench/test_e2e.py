@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from bench.e2e import command, report, run, sample_split, split_job, train_split, workload
 from bench.ladder import e2e_args, e2e_ladder
 from bench.records import read_rows
+from med_ddpm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -67,7 +68,7 @@ def test_the_report_has_a_line_per_row_and_names_failures():
 def test_a_job_without_its_keys_and_bad_arguments_are_refused():
     with pytest.raises(SystemExit, match="compile_cache=cold"):
         split_job(["scenario=e2e_sample", "experiment=fast_sample"])
-    with pytest.raises(SystemExit, match="preset=e2e needs e2e.data_root=DIR"):
+    with pytest.raises(ConfigError, match="preset=e2e needs e2e.data_root=DIR"):
         e2e_args(OmegaConf.create({"out": "x", "budget_s": None, "e2e": {"data_root": None}}))
     args = e2e_args(OmegaConf.create({"out": "x", "budget_s": 60, "e2e": {"data_root": "d", "checkpoint": None}}))
     assert args == {"out": "x", "data_root": "d", "budget_s": "60"}

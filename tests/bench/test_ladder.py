@@ -15,6 +15,7 @@ from bench.ladder import COMMAND_PRESETS, PRESETS, compose_job, ladder_jobs, mis
 from bench.records import baseline_key, job_key, recipe_label
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
+from med_ddpm.errors import ConfigError
 
 REPO = CONFIG_DIR.parent
 
@@ -57,7 +58,7 @@ def test_quality_preset_gates_the_shipped_sampling_experiment_and_its_fp16_varia
     fp16 = fast[1]["recipe"]
     assert list(fp16) == ["amp_fp16", *list(shipped)[1:]] and fp16["amp_fp16"]["dtype"] == "float16"
     assert all(fp16[k] == v for k, v in shipped.items() if k != "amp_bf16")
-    with pytest.raises(SystemExit, match="checkpoint=PATH"):
+    with pytest.raises(ConfigError, match="checkpoint=PATH"):
         ladder_jobs(ladder_cfg(tmp_path, "preset=quality"))
 
 
@@ -68,8 +69,8 @@ def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
     assert listed.returncode == 0 and len(todo) == 8 and sum("recipe=[amp_bf16]" in line for line in todo) == 4
     bad = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=tuning", f"out={tmp_path}"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
-        f"bench.ladder: unknown preset=tuning; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        f"error: bench.ladder: unknown preset=tuning; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
     assert {"smoke", "gpu", "core", "targets", "quality", "quality_pair", "samplers", "e2e"} <= set(PRESETS)
     assert set(COMMAND_PRESETS) == {"e2e", "quality_training"}
 

@@ -9,6 +9,7 @@ from bench.experiments.step_search import sampler_snippet
 from bench.ladder import compose_job, ladder_jobs
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
+from med_ddpm.errors import ConfigError
 
 
 def jobs(tmp_path) -> list[list[str]]:
@@ -47,5 +48,5 @@ def test_samplers_preset_gates_2m_and_3m_and_the_searched_grids(tmp_path, search
 def test_samplers_preset_needs_the_checkpoint(tmp_path):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("ladder", overrides=[f"out={tmp_path}", "preset=samplers"])
-    with pytest.raises(SystemExit, match="checkpoint=PATH"):
+    with pytest.raises(ConfigError, match="checkpoint=PATH"):
         ladder_jobs(cfg)

@@ -58,7 +58,7 @@ def test_overrides_are_routed_and_the_gate_job_composes(tmp_path):
     assert cfg["bench"]["checkpoint"] == "a.pt" and cfg["quality"]["candidate_checkpoint"] == "b.pt"
     assert cfg["bench"]["quality"] and not cfg.get("recipe") and cfg["sampler"]["name"] == "ddpm"
     assert cfg["model"]["image_size"] == [64, 64, 64]
-    with pytest.raises(SystemExit, match="candidate_checkpoint=PATH"):
+    with pytest.raises(ConfigError, match="candidate_checkpoint=PATH"):
         list(quality_pair_ladder("a.pt", None))
 
 
