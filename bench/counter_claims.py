@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.records import baseline_key, is_baseline, read_rows, recipe_label
-from med_ddpm.utils import atomic_write_text
+from med_ddpm.utils import atomic_write_text, save_figure
 
 ROWS_FILE = "counters.jsonl"
 MARKDOWN, PLOT = "counters.md", "counters_claims.png"
@@ -184,7 +184,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(workload_title(base), fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -24,6 +24,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
+from med_ddpm.utils import save_figure
+
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("layout conversion", r"nchwToNhwc|nhwcToNchw|ncdhw|ndhwc|transpose|permute|convert_?layout|channels_?last"),
     ("normalisation", r"(group|batch|layer|instance|rms)_?norm|GroupNorm|welford|RowwiseMoments|"
@@ -157,7 +159,7 @@ def stacked_bar_png(profiles: list[dict], path) -> None:
     ax.set_ylabel("ms per step")
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -29,7 +29,6 @@ so a cut call is finished by the same command.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import sys
@@ -44,7 +43,7 @@ from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.errors import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.train import LOSS_LOG
-from med_ddpm.utils import atomic_write, atomic_write_text
+from med_ddpm.utils import atomic_write_text, save_figure
 
 REFERENCE = "fp32"
 TAIL = 0.25  # the loss summary averages the last quarter of the logged steps
@@ -129,7 +128,7 @@ def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     for colour, (arm, (steps, losses)) in zip(("tab:blue", "tab:orange"), curves.items()):
@@ -141,9 +140,7 @@ def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
     ax.set_title(title, fontsize=10)
     ax.legend()
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return atomic_write(path, lambda f: f.write(buffer.getvalue()))
+    return save_figure(fig, path)
 
 
 def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.records import UNKNOWN, baseline_key, is_baseline, job_key, read_rows, recipe_label
-from med_ddpm.utils import atomic_write_text
+from med_ddpm.utils import atomic_write_text, save_figure
 
 COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
            "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s", "tflops",
@@ -211,7 +211,7 @@ def plot_speedups(table: list[dict[str, Any]], path: Path) -> Path | None:
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("speed-up vs strict FP32 (same workload)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -261,7 +261,7 @@ def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], l
     ax.set_ylabel(axis_labels[1])
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -288,7 +288,7 @@ def plot_throughput(table: list[dict[str, Any]], path: Path) -> Path | None:
     # below the axes: long stack names would otherwise squeeze the plot and hide lines
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

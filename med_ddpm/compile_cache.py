@@ -37,10 +37,8 @@ import torch
 
 from med_ddpm.utils import atomic_write, atomic_write_text
 from optim import RecipeStack
-from optim.compile import Compile
 
 log = logging.getLogger("med_ddpm.compile_cache")
-DEFAULT_DIR = Path("~/.cache/med-ddpm-bench/compile")
 
 
 def device_name(device: torch.device) -> str:
@@ -74,7 +72,7 @@ class CompileCache:
     def for_run(cls, root: str | Path | None, name: str, stack: RecipeStack, device: torch.device,
                 workload: Mapping[str, Any]) -> CompileCache | None:
         """The cache of a run, or None when its stack compiles nothing or ``root`` is null (cache off)."""
-        if root is None or not any(isinstance(r, Compile) for r in stack.recipes):
+        if root is None or not stack.slow_first_call:
             return None
         cache = cls(root, name, cache_key(stack, device, workload))
         cache.use_inductor_dir()

@@ -517,11 +517,13 @@ def dataset_bytes(num_items: int, variant: Variant, image_size: Sequence[int]) -
 
 
 def resolve_cache(cache: str, num_items: int, variant: Variant, image_size: Sequence[int]) -> str:
-    """``auto``: ``memory`` when the preprocessed dataset takes at most :data:`MEMORY_CACHE_SHARE` of the
-    available RAM (each file is then decoded once, at start-up, not at every step), else ``none``."""
+    """``auto``: ``memory`` when the preprocessed dataset, once per process on this machine, takes at most
+    :data:`MEMORY_CACHE_SHARE` of the available RAM (each file is then decoded once, at start-up, not at every step), else ``none``."""
     if cache != "auto":
         return cache
-    need, free = dataset_bytes(num_items, variant, image_size), available_ram_bytes()
+    # every process of this machine (torchrun: LOCAL_WORLD_SIZE ranks) caches its own copy
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need, free = dataset_bytes(num_items, variant, image_size) * ranks, available_ram_bytes()
     chosen = "memory" if need <= MEMORY_CACHE_SHARE * free else "none"
     logging.getLogger("med_ddpm.data").info("data.cache=auto: %s (dataset %.2f GiB, %.1f GiB RAM available)",
                                             chosen, need / 2**30, free / 2**30)

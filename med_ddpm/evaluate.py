@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import re
@@ -52,7 +51,7 @@ from med_ddpm.stats import (
     permutation_test,
     polynomial_kernel,
 )
-from med_ddpm.utils import atomic_write, atomic_write_text
+from med_ddpm.utils import atomic_write_text, save_figure
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -194,9 +193,7 @@ def save_montage(real: torch.Tensor, generated: torch.Tensor, names: tuple[list[
                 v = volumes[col, 0].numpy()
                 ax.imshow(v[:, :, v.shape[2] // 2].T, cmap="gray", vmin=-1, vmax=1, origin="lower")
                 ax.set_title(f"{'real' if row == 0 else 'generated'}: {labels[col]}", fontsize=7)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return atomic_write(path, lambda f: f.write(buffer.getvalue()))
+    return save_figure(fig, path)
 
 
 def summary_markdown(m: Mapping[str, Any]) -> str:

@@ -166,7 +166,7 @@ class QualityGate:
         if not torch.isfinite(pooled).all():
             return {k: {"value": math.nan, "p_value": 0.0} for k, c in self.checks.items() if c["kind"] == "distribution"}
         is_b = np.r_[np.zeros(len(ref.samples), bool), np.ones(len(cand.samples), bool)]
-        strata = np.r_[mask_strata(ref.cond), mask_strata(cand.cond)]
+        strata = mask_strata(torch.cat([ref.cond, cand.cond]))  # one index per mask across both arms
         feats = self._features(pooled)
         k_feat, k_vox = polynomial_kernel(feats), linear_kernel(pooled)
         hists = intensity_histograms(pooled, HIST_BINS, (-1.0, 1.0))

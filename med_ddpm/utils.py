@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import platform
 import random
@@ -29,7 +30,7 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             writer(f)
             f.flush()
@@ -42,10 +43,21 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -
     return path
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int | None = None) -> Path:
+    """A matplotlib figure as a PNG (at ``dpi``, default the figure's own), written atomically: rendered to
+    memory first, then renamed into place, so a reader never sees half a plot."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi or "figure")
+    return atomic_write(Path(path), lambda f: f.write(buffer.getvalue()))
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it: once, at import, before any writer thread
     os.umask(mask)
     return mask
+
+
+UMASK = _read_umask()
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:

@@ -8,7 +8,6 @@ and header, so they overlay the mask in any viewer, exactly as the original samp
 from __future__ import annotations
 
 import gzip
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from matplotlib.figure import Figure
 from monai.transforms import Resize
 
 from med_ddpm.errors import DataError
-from med_ddpm.utils import atomic_write
+from med_ddpm.utils import atomic_write, save_figure
 
 MODEL_TO_NIFTI_AXES = (3, 2, 1, 0)  # (C, D, H, W) = (C, k, j, i) -> (i, j, k, C)
 Reference = str | Path | nib.Nifti1Image | tuple[np.ndarray, Any]
@@ -156,6 +155,4 @@ def save_montage_png(image: torch.Tensor, cond: torch.Tensor, out_path: str | Pa
                             ha="right", fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return atomic_write(Path(out_path), lambda f: f.write(buffer.getvalue()))
+    return save_figure(fig, out_path)
