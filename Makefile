@@ -50,7 +50,7 @@ demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smok
 
 bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute), then its report (latest run)
 	$(BIN)/python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[channels_last_3d],[amp_bf16]' hydra.sweep.dir=$(SWEEP_DIR)
-	$(BIN)/python -m bench.report $(SWEEP_DIR)
+	$(BIN)/python -m bench.report dir=$(SWEEP_DIR)
 	@cat $(SWEEP_DIR)/report.md
 
 stamp: $(STAMP) ## record git's commit in .provenance.json for a copy of this tree without .git (a GPU machine)
@@ -58,7 +58,7 @@ stamp: $(STAMP) ## record git's commit in .provenance.json for a copy of this tr
 
 bench: $(STAMP) ## a benchmark ladder, preset=gpu unless LADDER_ARGS says (LADDER_ARGS='preset=core budget_s=540')
 	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)
-	$(BIN)/python -m bench.report $(SWEEP_DIR)
+	$(BIN)/python -m bench.report dir=$(SWEEP_DIR)
 
 profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step PROFILE_ARGS=...)
 	$(BIN)/python -m bench.profile 'recipe=$(or $(RECIPE),[])' bench=$(or $(BENCH),train_step) $(PROFILE_ARGS)
@@ -67,7 +67,7 @@ counters: $(STAMP) ## Nsight Compute counters of one recipe stack (RECIPE='[tf32
 	$(BIN)/python -m bench.counters $(if $(RECIPE),'recipe=$(RECIPE)') bench=$(or $(BENCH),train_step) $(COUNTERS_ARGS)
 
 report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=...)
-	$(BIN)/python -m bench.report $(SWEEP_DIR)
+	$(BIN)/python -m bench.report dir=$(SWEEP_DIR)
 
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache

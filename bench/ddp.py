@@ -18,7 +18,7 @@ Example (one node; ``configs/ddp.yaml`` is the training config plus ``ddp.*``, s
 training ones):
     torchrun --nproc_per_node=1 -m bench.ddp ddp.out=results/ddp model=medddpm_whole_head
     torchrun --nproc_per_node=8 -m bench.ddp ddp.out=results/ddp model=medddpm_whole_head
-    python -m bench.report results/ddp
+    python -m bench.report dir=results/ddp
 """
 
 from __future__ import annotations

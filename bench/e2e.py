@@ -15,7 +15,7 @@ A job is a list of strings: ``scenario=e2e_sample|e2e_train``, ``compile_cache=c
 (``paths.compile_cache``, inductor's and Triton's caches) first; ``warm`` runs the same command once
 beforehand if that folder has no compile artifacts yet (untimed). Sampling gets N masks by cycling the files
 of ``masks_dir`` (default ``<data_root>/mask``); training uses ``data_root``, and BraTS jobs phantom cases
-written at the model size unless ``brats_root`` is given. ``<out>/report.md`` tabulates the rows. Resumable: a job whose row is in results.jsonl is
+written at the model size unless ``brats_root`` is given. ``<out>/e2e.md`` tabulates the rows (``bench.report`` owns report.md). Resumable: a job whose row is in results.jsonl is
 skipped; ``budget_s`` stops starting jobs once spent, and a job it cuts short leaves no row.
 
 Row fields beyond the common ones (:mod:`bench.records`), all seconds unless named otherwise:
@@ -246,6 +246,6 @@ def run(jobs: Iterator[Sequence[str]], args: Mapping[str, str]) -> int:
                                                    "per_volume_s", "time_to_first_step_s", "ms_per_volume",
                                                    "data_wait_pct")}))
     if (out / RESULTS_FILE).exists():
-        atomic_write_text(out / "report.md", report([r for r in read_rows(out) if r.get("e2e")]))
+        atomic_write_text(out / "e2e.md", report([r for r in read_rows(out) if r.get("e2e")]))
     print(f"e2e: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
     return left

@@ -20,14 +20,17 @@ Example (after ``python -m med_ddpm.train experiment=quality_model output_dir=ru
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
+from omegaconf import DictConfig
 
+from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.errors import CheckpointError, ConfigError, check_int
 from med_ddpm.evaluate import distribution_metrics, diversity, save_montage
 from med_ddpm.features import RandomConv3dFeatures
 from med_ddpm.gate import json_safe
@@ -110,16 +113,18 @@ def summary_markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if "run" not in args or "out" not in args or len(args) != len(argv):
-        raise SystemExit("bench.quality_model: usage: run=TRAIN_OUTPUT_DIR out=DIR [n=32] [n_masks=8] [device=auto]")
-    run, out = Path(args["run"]), Path(args["out"])
+@hydra.main(config_path="../configs", config_name="quality_card", version_base="1.3")
+@cli.entry
+def main(cfg: DictConfig) -> None:
+    run, out = Path(cfg.run), Path(cfg.out)
     last = run / "checkpoints" / "last.pt"
     if not last.is_file():
-        raise SystemExit(f"bench.quality_model: {last} not found; run=... must be a med_ddpm.train output_dir")
-    device = resolve_device(args.get("device", "auto"))
-    n, n_masks = int(args.get("n", 32)), int(args.get("n_masks", 8))
+        raise CheckpointError(f"run={run}: no checkpoints/last.pt; pass a med_ddpm.train output_dir "
+                              "(python -m med_ddpm.train experiment=quality_model output_dir=DIR)")
+    n, n_masks = check_int(cfg, "n", 2), check_int(cfg, "n_masks", 1)
+    if n % n_masks:
+        raise ConfigError(f"n={n}: not a multiple of n_masks={n_masks}; pass n=k*n_masks")
+    device = resolve_device(cfg.device)
     ckpt = read_checkpoint(last)
     size = tuple(ckpt["config"]["model"]["image_size"])
     images, conds = held_out_phantoms(16, size, VARIANT_BY_IMAGE_CHANNELS[ckpt["config"]["model"]["out_channels"]])
@@ -130,8 +135,7 @@ def main(argv: list[str]) -> int:
     atomic_write_text(out / "summary.json", json.dumps(json_safe(summary), indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     print(summary_markdown(summary), end="")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli.run(main)

@@ -61,6 +61,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from med_ddpm.errors import DataError
 from med_ddpm.utils import append_line, atomic_write_text
 
 STATUSES = ("ok", "oom", "nan", "unsupported", "error")
@@ -186,7 +187,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if path.is_dir():
         path = path / RESULTS_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no results file (did the sweep run? expected {RESULTS_FILE})")
+        raise DataError(f"{path.parent}: no results file ({path.name}); pass the folder a sweep or ladder wrote")
     rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():

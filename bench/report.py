@@ -1,8 +1,8 @@
 """Turn a sweep's results.jsonl into report.md, report.csv and PNGs.
 
 Example:
-    python -m bench.report results/bench/2026-01-01_12-00-00
-    python -m bench.report results/h200 --wandb            # also a W&B Table + the PNGs
+    python -m bench.report dir=results/bench/2026-01-01_12-00-00
+    python -m bench.report dir=results/h200 wandb=true     # also a W&B Table + the PNGs
 
 A results file may hold many runs (a sweep directory reused, a ladder resumed, rows from
 several machines). Every row carries the ``run_id`` of the launch that wrote it and its commit
@@ -22,18 +22,20 @@ sampling rows, and throughput vs batch size (when there are several).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import math
-import sys
 import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import hydra
+from omegaconf import DictConfig
+
 from bench.records import UNKNOWN, baseline_key, is_baseline, job_key, read_rows, recipe_label
+from med_ddpm import cli
 from med_ddpm.utils import atomic_write_text, save_figure
 
 COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
@@ -321,19 +323,11 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     return md
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="directory holding results.jsonl")
-    parser.add_argument("--metric", default=QUALITY_METRIC, help="quality-gate number for the Pareto plot")
-    parser.add_argument("--wandb", action="store_true", help="also log the table and PNGs to W&B")
-    args = parser.parse_args(argv)
-    try:
-        print(write_report(args.sweep_dir, args.metric, args.wandb))
-    except FileNotFoundError as err:  # a user's path: one line, exit 2, like every command (med_ddpm.cli)
-        print(f"error: {err}; pass the folder a sweep or ladder wrote", file=sys.stderr)
-        return 2
-    return 0
+@hydra.main(config_path="../configs", config_name="report", version_base="1.3")
+@cli.entry
+def main(cfg: DictConfig) -> None:
+    print(write_report(Path(cfg.dir), cfg.metric, cfg.wandb))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli.run(main)

@@ -3,7 +3,7 @@
 ``torch.compile(model)`` returns a wrapper whose state-dict keys gain an ``_orig_mod.`` prefix;
 compiling the instance's forward instead keeps Med-DDPM's key names, so checkpoints written
 with or without the recipe are interchangeable. Compilation is lazy: the first call pays it,
-so callers time that call separately (:meth:`optim.RecipeStack.measure_first_call`), and the session
+so callers time that call separately (``slow_first_call``: the bench reports it as ``first_call_s``), and the session
 ends with ``torch.compiler.reset()`` so a Hydra multirun's next job starts from a clean cache.
 
 Modes: ``default`` (inductor kernels) and ``reduce-overhead`` (the same kernels replayed as CUDA-graph

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -98,7 +97,6 @@ class RecipeStack:
         self.flags = {**STRICT_FP32, **_merged(self.recipes, lambda r: r.capabilities.flags, "the flag")}
         self.inductor = _merged(self.recipes, lambda r: r.capabilities.inductor, "inductor's")
         self.guard = _loss_guard(self.recipes)
-        self.first_call_s: float | None = None
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any] | None) -> RecipeStack:
@@ -218,18 +216,6 @@ class RecipeStack:
         """
         return self.guard(loss, optimizer)
 
-    def measure_first_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` once (the first step), recording its device-synchronised wall time as ``first_call_s``."""
-        sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        if sync:
-            sync()
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if sync:
-            sync()
-        self.first_call_s = time.perf_counter() - start
-        return out
-
     def describe(self) -> dict[str, Any]:
         """JSON-able: the ordered recipes actually applied, backend flags, skipped steps.
 
@@ -241,7 +227,6 @@ class RecipeStack:
             "order": self.names,
             "exact": self.exact,
             "slow_first_call": self.slow_first_call,
-            "first_call_s": self.first_call_s,
             "session_sets": self.session_flags(),
             "inductor": self.inductor_options(),
             "effective_flags": effective_flags(),

@@ -271,9 +271,8 @@ def test_a_bug_keeps_its_traceback(bug, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_report_of_a_folder_without_results_is_one_line(tmp_path, capsys):
-    from bench import report
-
-    assert report.main([str(tmp_path / "none")]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and re.match(r"error: .*none: no results file .*; pass the folder a sweep or ladder wrote", lines[0])
+def test_report_of_a_folder_without_results_is_one_line(tmp_path):
+    proc = run_cli("bench.report", f"dir={tmp_path / 'none'}", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert re.match(r"error: .*none: no results file \(results\.jsonl\); pass the folder a sweep or ladder wrote", lines[0])

@@ -92,7 +92,7 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
     timings = json.loads((tmp_path / "jobs" / "e2e_01" / "run" / "timings.json").read_text())
     assert timings["steps"] == 6 and timings["volumes_per_step"] == 2
     assert run(iter(jobs), args_for(tmp_path)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
-    table = (tmp_path / "report.md").read_text().splitlines()
+    table = (tmp_path / "e2e.md").read_text().splitlines()
     assert len(table) == 4 and f"| {sample['total_s']} |" in table[2] and table[3].endswith("| ok |")
 
 

@@ -135,9 +135,6 @@ def test_grad_scaler_and_guard() -> None:
     assert json.loads(json.dumps(stack.describe()))["skipped_steps"] == 1
 
 
-def test_first_call_is_timed_and_compiling_stacks_say_so() -> None:
-    stack = stack_of(["compile"])
-    assert stack.measure_first_call(lambda x: x + 1, 1) == 2
-    record = stack.describe()
-    assert record["slow_first_call"] and record["first_call_s"] >= 0
+def test_compiling_stacks_say_their_first_call_is_slow() -> None:
+    assert stack_of(["compile"]).describe()["slow_first_call"]
     assert not stack_of(["tf32"]).describe()["slow_first_call"]
