@@ -287,7 +287,7 @@ def missing_recipes(overrides: Job) -> list[str]:
 
 
 def finished_jobs(out: Path, refresh: str | None) -> tuple[set[str], set[str]]:
-    """Job keys with a row in ``out``: any row, and rows measured by this commit (the rows' ``git_sha``).
+    """Job keys with a row in ``out``: any row, and rows measured by this commit, clean (``git_sha``, ``dirty``).
 
     ``refresh`` jobs count as done only with a row of this code, so after a code change
     ``refresh=REGEX`` re-measures the jobs it names (old rows stay, each labelled with its
@@ -296,7 +296,7 @@ def finished_jobs(out: Path, refresh: str | None) -> tuple[set[str], set[str]]:
     rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
     sha = provenance()["git_sha"]
     return ({job_key(r) for r in rows},
-            {job_key(r) for r in rows if refresh and r.get("git_sha") == sha})
+            {job_key(r) for r in rows if refresh and r.get("git_sha") == sha and not r.get("dirty")})
 
 
 def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False, refresh: str | None = None,

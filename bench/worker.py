@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench.records import MEASURED_FIELDS
+from bench.records import MEASURED_FIELDS, provenance
 from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, batch_size, run_scenario
 from med_ddpm.quality import gate_from_config
 from med_ddpm.sample import CONFIG_DIR
@@ -173,6 +173,7 @@ def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str
     atomic_write_text(job_path, json.dumps(job, default=str))
     row_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "bench.worker", str(job_path), str(row_path)]
+    code = provenance()  # the commit that is measured: read before the job, not when its row is appended
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -185,7 +186,7 @@ def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str
         why = f"{TIMEOUT_PREFIX} after {timeout_s:.0f} s" if returncode is None else f"worker {_exit_reason(returncode)}"
         row["message"] = f"{why}; stderr tail:\n{stderr[-STDERR_TAIL:]}"
     row["wall_s"] = time.perf_counter() - start
-    return row
+    return {**row, **code}
 
 
 def main(argv: list[str]) -> int:

@@ -215,7 +215,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
             return run_trajectory(model, ddpm, cond, fixed_noise(shape, T, seed, device))
 
     key = {"cfg": {k: cfg.get(k) for k in ("model", "diffusion", "seed")}, "n": n, "n_masks": q["n_masks"],
-           "device": device.type, "checkpoint": _file_identity(checkpoint)}
+           "device": device.type, "checkpoint": _file_identity(checkpoint), "code": reference_code_digest()}
     reference = _cached(q.get("cache_dir"), key, strict_reference)
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
     noise = fixed_noise(shape, T, cand_seed, device) if q.get("trajectory", True) else None
@@ -290,6 +290,17 @@ def _file_identity(path: str | None) -> list[Any] | None:
         return None
     stat = Path(path).stat()
     return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+REFERENCE_CODE = ("model.py", "diffusion.py", "samplers.py", "quality.py", "phantoms.py")  # what the reference runs
+
+
+def reference_code_digest() -> str:
+    """torch's version and a hash of the code that computes the reference: an edit to either is a new reference,
+    never a stale one read from the cache."""
+    here = Path(__file__).parent
+    text = torch.__version__ + "".join((here / name).read_text() for name in REFERENCE_CODE)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _cached(cache_dir: str | None, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:

@@ -83,7 +83,7 @@ def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monke
 
     jobs = jobs_of("smoke", tmp_path)
     for n, job in enumerate(jobs):
-        row = {**base_row(compose_job(job, tmp_path / str(n))), "status": "ok", "message": "", "git_sha": "old"}
+        row = {**base_row(compose_job(job, tmp_path / str(n))), "status": "ok", "message": "", "git_sha": "old", "dirty": False}
         append_row(tmp_path / RESULTS_FILE, row)
     monkeypatch.setattr("bench.ladder.provenance", lambda: {"git_sha": "new", "dirty": False})
 
@@ -96,7 +96,7 @@ def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monke
     named = [" ".join(job) for job in jobs if "batch_size=2" in " ".join(job)]
     assert named and todo("batch_size=2") == [f"[todo] {j}" for j in named]
     first = next(job for job in jobs if "batch_size=2" in " ".join(job))
-    row = {**base_row(compose_job(first, tmp_path / "x")), "status": "ok", "message": "", "git_sha": "new"}
+    row = {**base_row(compose_job(first, tmp_path / "x")), "status": "ok", "message": "", "git_sha": "new", "dirty": False}
     append_row(tmp_path / RESULTS_FILE, row)
     assert len(todo("batch_size=2")) == len(named) - 1
 
@@ -202,3 +202,17 @@ def test_a_resumed_ladder_measures_each_workload_s_baseline_in_its_own_run(tmp_p
     assert len(latest) == 1 and rows[0]["run_id"] not in latest
     ran.clear()
     assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0 and ran == []
+
+
+def test_a_dirty_row_is_not_a_row_of_this_commit(tmp_path, monkeypatch):
+    """``refresh=`` reruns a job unless this commit measured it on a clean tree: a row measured with uncommitted
+    code changes is not this commit's measurement."""
+    from bench import ladder
+    from bench.records import RESULTS_FILE, append_row
+
+    job = jobs_of("smoke", tmp_path)[0]
+    row = {**base_row(compose_job(job, tmp_path / "a")), "status": "ok", "message": "", "git_sha": "abc", "dirty": True}
+    append_row(tmp_path / RESULTS_FILE, row)
+    monkeypatch.setattr(ladder, "provenance", lambda: {"git_sha": "abc", "dirty": False})
+    done, current = ladder.finished_jobs(tmp_path, refresh=".")
+    assert job_key(row) in done and job_key(row) not in current

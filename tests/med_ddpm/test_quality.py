@@ -218,3 +218,12 @@ def test_two_checkpoints_refuse_a_stack_or_another_network(tmp_path):
                          checkpoint=mine)
     with pytest.raises(ConfigError, match=r"pass recipe=\[\] sampler=ddpm"):
         gate_from_config(_compose("recipe=[tf32]", f"quality.candidate_checkpoint={mine}"), "cpu", checkpoint=mine)
+
+
+def test_the_cached_reference_is_keyed_by_torch_and_the_code_that_computes_it(monkeypatch):
+    from med_ddpm import quality
+
+    digest = quality.reference_code_digest()
+    assert digest == quality.reference_code_digest() and len(digest) == 16
+    monkeypatch.setattr(quality.torch, "__version__", "0.0.0")
+    assert quality.reference_code_digest() != digest
