@@ -39,7 +39,7 @@ import contextlib
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,12 +143,14 @@ def experiment_train_settings(experiment: str) -> list[str]:
     return [f"train.batch_size={train.batch_size}", f"train.grad_accum={train.grad_accum}"]
 
 
-def swapped_experiment(experiment: str, old: str, new: str) -> list[str]:
-    """``experiment``'s recipe stack (read from its config, the one source) with recipe ``old`` replaced by ``new``:
-    the stack as ``recipe=[...]`` plus every option the experiment sets on the recipes it keeps."""
-    names = tuple(new if name == old else name for name in _recipes_of([f"experiment={experiment}"]))
-    shipped, plain = _recipes_of([f"experiment={experiment}"]), _recipes_of([_recipe(names)])
-    options = [f"recipe.{name}.{key}={value}" for name in shipped if name != old
+def experiment_stack(experiment: str, swap: Mapping[str, str] | None = None) -> list[str]:
+    """``experiment``'s recipe stack (read from its config, the one source), each recipe named in ``swap`` replaced
+    by its value: the stack as ``recipe=[...]`` plus every option the experiment sets on the recipes it keeps."""
+    swap = swap or {}
+    shipped = _recipes_of([f"experiment={experiment}"])
+    names = tuple(swap.get(name, name) for name in shipped)
+    plain = _recipes_of([_recipe(names)])
+    options = [f"recipe.{name}.{key}={value}" for name in shipped if name not in swap
                for key, value in shipped[name].items() if plain[name].get(key) != value]
     return [_recipe(names), *options]
 
@@ -183,7 +185,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     # timed at batch N as gated, so the gate's compile of the same shapes is an inductor cache hit
     sampling = [*common, "bench=full_sample", "bench.batch_size=32", "bench.warmup=1", "bench.iters=2"]
     yield [*sampling, "experiment=fast_sample"]
-    yield [*sampling, "experiment=fast_sample", *swapped_experiment("fast_sample", "amp_bf16", "amp_fp16")]
+    yield [*sampling, "experiment=fast_sample", *experiment_stack("fast_sample", {"amp_bf16": "amp_fp16"})]
     yield [*common, "bench=full_sample", "bench.batch_size=4", "bench.warmup=0", "bench.iters=1", "sampler=ddpm",
            "+sampler.clip_denoised=false", "recipe=[]"]
 

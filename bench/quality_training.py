@@ -3,7 +3,7 @@
 ``experiment=quality_model`` is trained for ``steps`` optimizer steps twice, in fresh processes
 (``python -m med_ddpm.train``): once with strict FP32 (``recipe=[]``) and once with ``experiment``'s recipe
 stack (default ``fast_train``; the stack and the options it sets on its recipes are read from its config,
-:func:`bench.ladder.swapped_experiment`). Everything else is the quality model's own config: the same seed,
+:func:`bench.ladder.experiment_stack`). Everything else is the quality model's own config: the same seed,
 so the same initial weights, data order and every (t, ε) draw; batch 4 x grad_accum 1 in both, which
 ``compile_cudagraphs`` takes. Then:
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import CONFIG_DIR, spawn
-from bench.ladder import quality_pair_ladder, run_ladder, swapped_experiment
+from bench.ladder import experiment_stack, quality_pair_ladder, run_ladder
 from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.errors import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
@@ -63,7 +63,7 @@ def training_commands(steps: int, experiment: str, runs: Path, overrides: Sequen
     if not (CONFIG_DIR / "experiment" / f"{experiment}.yaml").exists():
         raise ConfigError(f"quality_training.experiment={experiment}: no configs/experiment/{experiment}.yaml; "
                           "name an experiment whose recipe stack to train with (fast_train)")
-    shipped = swapped_experiment(experiment, old="", new="")  # no recipe is named "": the stack as shipped
+    shipped = experiment_stack(experiment)
     stacks = {REFERENCE: ["recipe=[]"], experiment: shipped}
     return {arm: ["med_ddpm.train", "experiment=quality_model", *stack, f"train.max_steps={steps}", *overrides,
                   f"output_dir={runs / arm}", "resume=auto", "train.progress=false"]
