@@ -5,7 +5,8 @@ the purpose is a measurement, not a claim, so this command writes one from a tra
 
 * the loss curve: the ε-MSE of every saved checkpoint (``checkpoints/step_*.pt``), EMA and raw weights, on
   held-out phantoms (seed ``10_000 + k``, never trained on) with fixed t and ε per phantom, so points of the
-  curve differ only by the weights;
+  curve differ only by the weights (``last.pt`` alone when the run kept no intermediate checkpoints), and the
+  logged training loss (``loss.jsonl``) as means over ten step ranges;
 * fidelity: N = ``n`` DDPM-250 samples of the final EMA weights (strict FP32, ``n_masks`` held-out phantom masks
   x n / n_masks noise draws) against the n held-out phantom images: FID / KID / MMD / histogram W1 with
   permutation p-values and the MS-SSIM diversity of both sets (:mod:`med_ddpm.evaluate`; random-weight
@@ -37,6 +38,7 @@ from med_ddpm.gate import json_safe
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import fixed_noise
 from med_ddpm.samplers import DDPMSampler, sample
+from med_ddpm.train import LOSS_LOG
 from med_ddpm.utils import atomic_write_text, resolve_device
 from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
@@ -63,9 +65,11 @@ def validation_loss(model, schedule, images: torch.Tensor, conds: torch.Tensor, 
 
 
 def loss_curve(run: Path, images, conds, device) -> list[dict[str, Any]]:
-    """One point per saved checkpoint: step, EMA and raw-weight validation loss."""
+    """One point per saved checkpoint (``step_*.pt``, else ``last.pt`` alone): step, EMA and raw-weight
+    validation loss."""
     points = []
-    for path in sorted((run / "checkpoints").glob("step_*.pt")):
+    paths = sorted((run / "checkpoints").glob("step_*.pt")) or [run / "checkpoints" / "last.pt"]
+    for path in paths:
         point = {"checkpoint": path.name}
         for weights in ("ema", "model"):
             loaded = load_checkpoint(path, weights=weights)
@@ -74,6 +78,20 @@ def loss_curve(run: Path, images, conds, device) -> list[dict[str, Any]]:
             point[f"val_loss_{weights}"] = validation_loss(model, schedule, images, conds, device)
         points.append(point)
     return points
+
+
+def training_loss(run: Path, windows: int = 10) -> list[dict[str, Any]]:
+    """The run's logged training loss (``loss.jsonl``) as means over ``windows`` equal step ranges: the curve
+    of the loss the optimizer saw, which a run without intermediate checkpoints still has."""
+    log = run / LOSS_LOG
+    if not log.is_file():
+        return []
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if isinstance(r.get("loss"), (int, float))]
+    size = max(1, -(-len(rows) // windows))
+    return [{"first_step": chunk[0]["step"], "last_step": chunk[-1]["step"],
+             "mean_loss": sum(r["loss"] for r in chunk) / len(chunk)}
+            for chunk in (rows[i:i + size] for i in range(0, len(rows), size))]
 
 
 def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, device: torch.device,
@@ -104,6 +122,10 @@ def summary_markdown(s: dict[str, Any]) -> str:
     lines = [f"# The quality model ({s['checkpoint']}, step {s['step']})", "", "## Validation loss (held-out phantoms)",
              "", "| step | EMA | raw weights |", "| --- | --- | --- |"]
     lines += [f"| {p['step']} | {p['val_loss_ema']:.5f} | {p['val_loss_model']:.5f} |" for p in s["loss_curve"]]
+    if s["train_loss"]:
+        lines += ["", "## Training loss (`loss.jsonl`, mean per step range)", "", "| steps | mean loss |",
+                  "| --- | --- |"]
+        lines += [f"| {w['first_step']}-{w['last_step']} | {w['mean_loss']:.5f} |" for w in s["train_loss"]]
     f = s["fidelity"]
     lines += ["", f"## Fidelity: {f['n']} {f['sampler']} samples vs {f['n']} held-out phantoms", "",
               f"Features `{f['extractor']['name']}`: random weights, relative numbers only.", "",
@@ -130,7 +152,7 @@ def main(cfg: DictConfig) -> None:
     images, conds = held_out_phantoms(16, size, VARIANT_BY_IMAGE_CHANNELS[ckpt["config"]["model"]["out_channels"]])
     summary = {"checkpoint": str(last), "step": int(ckpt["step"]),
                "train": {k: ckpt["config"].get(k) for k in ("seed", "train", "data", "model")},
-               "loss_curve": loss_curve(run, images, conds, device),
+               "loss_curve": loss_curve(run, images, conds, device), "train_loss": training_loss(run),
                "fidelity": fidelity(last, size, n, n_masks, device, out)}
     atomic_write_text(out / "summary.json", json.dumps(json_safe(summary), indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summary))

@@ -28,6 +28,7 @@ def test_quality_model_card_from_a_tiny_run(tmp_path, one_thread):
     summary = json.loads((tmp_path / "card" / "summary.json").read_text())
     assert [p["step"] for p in summary["loss_curve"]] == [1, 2]
     assert all(0 < p["val_loss_ema"] < 10 and 0 < p["val_loss_model"] < 10 for p in summary["loss_curve"])
+    assert summary["train_loss"][-1]["last_step"] == 2 and summary["train_loss"][0]["mean_loss"] > 0
     kid = summary["fidelity"]["distribution"]["kid"]
     assert 0 < kid["p_value"] <= 1 and "q95" in kid["null_quantiles"]
     for png in ("samples.png", "sample_mask.png"):
