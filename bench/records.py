@@ -10,12 +10,13 @@ Provenance is stamped on every row by :func:`append_row`, never typed by hand:
   ``bench.ddp`` run), shared by every row that launch writes. A results file may hold many
   runs; the report compares a row only with the baseline of its own run. A launcher that
   spreads one run over processes passes the id on in ``$MED_DDPM_RUN_ID`` (set on first use).
-- ``git_sha`` (full) and ``dirty`` (code or configs differ from that commit): from git where
-  the tree has a ``.git``; else from the stamp file ``.provenance.json`` that
-  ``python -m bench.records stamp`` (``make stamp``) writes from git before the tree is copied
-  to a machine without ``.git`` (carry it along: it is git-ignored). The stamp lists a hash of
-  every code and config file, so a file edited after stamping marks the row dirty. With
-  neither, ``git_sha`` is ``unknown`` and the report leaves the row out of its headline tables.
+- ``git_sha`` (full) and ``dirty`` (code or configs differ from that commit): from the stamp file
+  ``.provenance.json`` while no stamped file changed, else from git where the tree has a ``.git``.
+  ``python -m bench.records stamp`` (``make stamp``) writes the stamp from git before the tree is
+  copied to another machine (carry it along: it is git-ignored); a copy may hold no ``.git`` or a
+  stale one. The stamp lists a hash of every code and config file, so a file edited after
+  stamping marks the row dirty. With neither, ``git_sha`` is ``unknown`` and the report leaves
+  the row out of its headline tables.
 
 Row schema (``None`` where a field does not apply or the job failed):
 
@@ -151,8 +152,9 @@ def write_stamp(path: Path = STAMP_FILE) -> dict[str, Any]:
     return stamp
 
 
-def stamp_provenance(path: Path = STAMP_FILE) -> dict[str, Any] | None:
-    """``{git_sha, dirty}`` from the stamp file; dirty also when a stamped file changed since."""
+def stamp_provenance(path: Path | None = None) -> dict[str, Any] | None:
+    """``{git_sha, dirty}`` from the stamp file (``STAMP_FILE``); dirty also when a stamped file changed since."""
+    path = STAMP_FILE if path is None else path
     if not path.is_file():
         return None
     stamp = json.loads(path.read_text(encoding="utf-8"))
@@ -161,16 +163,22 @@ def stamp_provenance(path: Path = STAMP_FILE) -> dict[str, Any] | None:
 
 
 def provenance() -> dict[str, Any]:
-    """The commit of the code measuring now: git where there is a ``.git``, else the stamp, else unknown.
+    """The commit of the code measuring now: the stamp while every stamped file is unchanged, else git where
+    there is a ``.git``, else the edited stamp (dirty), else unknown.
 
-    Asked afresh for every row (one ``git`` call, milliseconds next to a benchmark job): a cached answer would
-    outlive an edit or a commit made while a long-lived process (a Hydra multirun) keeps writing rows."""
+    An unchanged stamp comes first because a copied tree can carry a ``.git`` whose HEAD is not the code it
+    holds (the device's copy did: the rows read an older commit, dirty). Asked afresh for every row (one
+    ``git`` call, milliseconds next to a benchmark job): a cached answer would outlive an edit or a commit
+    made while a long-lived process (a Hydra multirun) keeps writing rows."""
+    stamped = stamp_provenance()
+    if stamped is not None and not stamped["dirty"]:
+        return stamped
     if (ROOT / ".git").exists():
         try:
             return git_provenance()
         except (OSError, subprocess.SubprocessError):
             pass
-    return stamp_provenance() or {"git_sha": UNKNOWN, "dirty": None}
+    return stamped or {"git_sha": UNKNOWN, "dirty": None}
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> None:

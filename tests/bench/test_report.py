@@ -156,3 +156,19 @@ def test_write_stamp_records_head(tmp_path):
     stamp = records.write_stamp(tmp_path / "stamp.json")
     assert stamp["git_sha"] == records.git_provenance()["git_sha"] and "bench/records.py" in stamp["files"]
     assert json.loads((tmp_path / "stamp.json").read_text())["digest"] == records.tree_digest(stamp["files"])
+
+
+def test_an_unchanged_stamp_outranks_a_stale_git_head(tmp_path, monkeypatch):
+    """A copied tree whose .git HEAD is older than its code reads the stamp; once a stamped file is edited,
+    git (the checkout's own HEAD, dirty) answers."""
+    tree = tmp_path / "tree"
+    (tree / ".git").mkdir(parents=True)
+    (tree / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(records, "ROOT", tree)
+    monkeypatch.setattr(records, "STAMP_FILE", tree / ".provenance.json")
+    monkeypatch.setattr(records, "git_provenance", lambda: {"git_sha": "old", "dirty": True})
+    stamp = {"git_sha": SHA, "dirty": False, "files": ["a.py"], "digest": records.tree_digest(["a.py"])}
+    (tree / ".provenance.json").write_text(json.dumps(stamp))
+    assert records.provenance() == {"git_sha": SHA, "dirty": False}
+    (tree / "a.py").write_text("x = 2\n")
+    assert records.provenance() == {"git_sha": "old", "dirty": True}
