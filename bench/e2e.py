@@ -50,16 +50,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
+from hydra import compose
 
 from bench.records import RESULTS_FILE, append_row, read_rows
 from bench.worker import OOM_PATTERN, STDERR_TAIL
+from med_ddpm import cli
 from med_ddpm.errors import ConfigError
 from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.utils import atomic_write_text, env_info
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 JOB_KEYS = ("scenario", "compile_cache", "masks")
 SCENARIOS = ("e2e_sample", "e2e_train")
 BRATS_SIZE = (144, 192, 192)  # (D, H, W): the original BraTS model's size
@@ -163,7 +163,7 @@ def train_split(t: Mapping[str, Any]) -> dict[str, Any]:
 def workload(argv: list[str], timings: Mapping[str, Any] | None) -> dict[str, Any]:
     """The common row fields, from the command's composed config (what the CLI itself composes)."""
     name, overrides = argv[0].removeprefix("med_ddpm."), [o for o in argv[1:] if not o.startswith("output_dir=")]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    with cli.configs():
         cfg = compose(name, overrides=[*overrides, "output_dir=."], return_hydra_config=True)
     choices = cfg.hydra.runtime.choices
     training = name == "train"

@@ -35,7 +35,6 @@ adds any that a cut run missed).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import time
@@ -44,8 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bench.records import RESULTS_FILE, append_row, baseline_key, is_baseline, job_key, provenance, read_rows
@@ -138,7 +136,7 @@ def targets_ladder() -> Iterator[Job]:
 def experiment_train_settings(experiment: str) -> list[str]:
     """``experiment``'s training batch and accumulation as overrides (read from its config, the one source), so
     a strict-FP32 baseline times the same step as the experiment's stack."""
-    with _configs():
+    with cli.configs():
         train = compose("bench", overrides=[f"experiment={experiment}", "bench=train_step", "output_dir=."]).train
     return [f"train.batch_size={train.batch_size}", f"train.grad_accum={train.grad_accum}"]
 
@@ -156,7 +154,7 @@ def experiment_stack(experiment: str, swap: Mapping[str, str] | None = None) -> 
 
 
 def _recipes_of(overrides: list[str]) -> DictConfig:
-    with _configs():
+    with cli.configs():
         return compose("bench", overrides=[*overrides, "output_dir=."]).recipe
 
 
@@ -261,19 +259,9 @@ PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
 }
 
 
-@contextlib.contextmanager
-def _configs() -> Iterator[None]:
-    """Hydra's compose API over configs/ (inside ``bench.ladder``'s own Hydra app it already is)."""
-    if GlobalHydra.instance().is_initialized():
-        yield
-        return
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        yield
-
-
 def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:
     """Compose one ladder entry into a worker job (the same config ``bench.sweep`` would build)."""
-    with _configs():
+    with cli.configs():
         cfg = compose("bench", overrides=[*overrides, f"output_dir={job_dir}"], return_hydra_config=True)
     model = cfg.hydra.runtime.choices.model
     with open_dict(cfg):

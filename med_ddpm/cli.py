@@ -27,14 +27,17 @@ shows the full traceback of every error, user errors included.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
@@ -157,3 +160,14 @@ def output_dir(cfg: DictConfig) -> Path:
     if OmegaConf.is_missing(cfg, "output_dir"):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     return Path(cfg.output_dir)
+
+
+@contextlib.contextmanager
+def configs() -> Iterator[None]:
+    """Hydra's compose API over configs/, also from inside a running Hydra app (a command that composes
+    another command's config: the app has already initialised it, and a second initialisation is refused)."""
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        yield

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from bench.e2e import command, report, run, sample_split, split_job, train_split, workload
@@ -15,6 +16,7 @@ from bench.records import read_rows
 from med_ddpm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
 SHARED = REPO.parent / "shared"
 WHOLE_HEAD = SHARED / "data" / "whole_head"
 CHECKPOINT = SHARED / "reference" / "wholehead_small_ckpt.pt"  # original Med-DDPM format, 32^3 architecture
@@ -82,7 +84,8 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
             ["scenario=e2e_train", "compile_cache=cold", "experiment=whole_head", "model=tiny",
              "model.image_size=[16,16,16]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=6",
              "data.num_workers=1"]]
-    assert run(iter(jobs), args_for(tmp_path)) == 0
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):  # as inside bench.ladder's Hydra app
+        assert run(iter(jobs), args_for(tmp_path)) == 0
     sample, train = read_rows(tmp_path)
     assert sample["status"] == train["status"] == "ok", (sample["message"], train["message"])
     assert sample["volumes"] == 3 and sample["image_size"] == [32, 32, 32] and sample["compile_cache"] == "off"
