@@ -15,6 +15,9 @@ headline tables. A row of unknown provenance (no run id, as in results files wri
 run ids existed, or no known commit) is never a headline: it is listed apart, labelled, with
 its own numbers unchanged and no speed-up unless its run has a baseline. report.csv has every
 row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message.
+quality.md (when the gate ran): for the latest gated row of each job, every check of the gate with its
+status, value, p-value, null quantiles (distribution checks) or limits, and the gate's minimum detectable
+eps bias, so a verdict can be read back to the check that decided it.
 PNGs (headline rows): speed-up per stack, speed-up vs the quality gate's number with the Pareto
 front marked (when the gate ran), model calls vs the gate's worst distribution p-value of the gated
 sampling rows, and throughput vs batch size (when there are several).
@@ -306,6 +309,40 @@ def log_wandb(table: list[dict[str, Any]], images: list[Path], sweep_dir: Path) 
     run.finish()
 
 
+QUALITY_HEADER = ("| check | kind | status | value | p-value | null q05 / q50 / q95 | pass / warn or fail limit |\n"
+                  "| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def _check_line(name: str, check: dict[str, Any]) -> str:
+    null = check.get("null_quantiles") or {}
+    quantiles = " / ".join(_fmt(null.get(q)) for q in ("q05", "q50", "q95")) if null else ""
+    limits = " / ".join(_fmt(check.get(k)) for k in ("pass_limit", "warn_limit", "fail_limit") if k in check)
+    return (f"| {name} | {check.get('kind', '')} | {check.get('status', '')} | {_fmt(check.get('value'))} | "
+            f"{_fmt(check.get('p_value'))} | {quantiles} | {limits} |")
+
+
+def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
+    """Every check of the latest gated row of each job (None when no row was gated)."""
+    latest = {job_key(r): r for r in rows if known_provenance(r) and ((r.get("quality") or {}).get("checks"))}
+    if not latest:
+        return None
+    lines = ["# Quality gate: every check of each gated row", "",
+             "The latest gated row of each job. Bias checks: sign-flip p-value; distribution checks: permutation "
+             "p-value against the null of the reference against itself at the same N (docs/quality.md).", ""]
+    for row in latest.values():
+        q = row["quality"]
+        sampler = q.get("candidate_sampler") or {}
+        steps = f" {sampler['steps']} steps" if sampler.get("steps") else ""
+        lines += [f"## {row.get('scenario')} · {recipe_label(row)} · {sampler.get('name', '')}{steps}: "
+                  f"**{q.get('verdict')}**", "",
+                  f"N = {q.get('n_samples')} ({q.get('n_masks')} masks), paired: {q.get('paired')}, minimum "
+                  f"detectable eps bias {_fmt(q.get('min_detectable_eps_bias'))}; code {code_label(row)}, run "
+                  f"{row.get('run_id')}.", "", QUALITY_HEADER]
+        lines += [_check_line(name, check) for name, check in q["checks"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False) -> Path:
     """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path."""
     rows = read_rows(sweep_dir)
@@ -317,6 +354,9 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
                           plot_throughput(headline, sweep_dir / "throughput_vs_batch.png")) if p]
     markdown = to_markdown(table, rows) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
     atomic_write_text(sweep_dir / "report.csv", to_csv(table))
+    quality = quality_markdown(rows)
+    if quality:
+        atomic_write_text(sweep_dir / "quality.md", quality)
     md = atomic_write_text(sweep_dir / "report.md", markdown)
     if wandb:
         log_wandb(table, images, sweep_dir)

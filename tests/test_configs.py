@@ -95,7 +95,7 @@ def test_every_target_is_importable():
                 assert instantiate(node) is not None
 
 
-def test_fast_sample_is_the_gated_sampler_with_the_fastest_measured_stack():
+def test_fast_sample_is_the_few_step_sampler_with_the_fastest_measured_stack():
     """``experiment=fast_sample`` names the stochastic few-step sampler (SDE-DPM-Solver++, 100 steps)
     and the fastest measured forward stack; the default stays the exact FP32 path."""
     from med_ddpm.samplers import sampler_from_config

@@ -172,3 +172,28 @@ def test_an_unchanged_stamp_outranks_a_stale_git_head(tmp_path, monkeypatch):
     assert records.provenance() == {"git_sha": SHA, "dirty": False}
     (tree / "a.py").write_text("x = 2\n")
     assert records.provenance() == {"git_sha": "old", "dirty": True}
+
+
+def test_quality_md_lists_every_check_of_the_latest_gated_row(tmp_path):
+    """The verdict reads back to the check that decided it: value, p-value, null quantiles or limits."""
+    checks = {"eps_scale_bias": {"kind": "bias", "status": "fail", "value": 0.05, "p_value": 0.005,
+                                 "pass_limit": 0.005, "fail_limit": 0.015},
+              "kid_vs_ref": {"kind": "distribution", "status": "pass", "value": -1e-5, "p_value": 0.55,
+                             "null_quantiles": {"q05": -8e-6, "q50": -4e-6, "q95": 2e-5}}}
+    gated = {"verdict": "fail", "checks": checks, "n_samples": 32, "n_masks": 8, "min_detectable_eps_bias": 0.015,
+             "candidate_sampler": {"name": "probes only", "steps": None}}
+    older = {**gated, "verdict": "pass", "checks": {"eps_noise": {"kind": "limit", "status": "pass", "value": 0}}}
+    for quality in (older, gated):
+        append_row(tmp_path / "results.jsonl", row(["eps_scale"], 35.0, quality=quality))
+    append_row(tmp_path / "results.jsonl", row([], 35.0))
+    report.write_report(tmp_path)
+    md = (tmp_path / "quality.md").read_text()
+    assert md.count("## ") == 1 and "probes only: **fail**" in md and "eps_noise" not in md
+    assert "| eps_scale_bias | bias | fail | 0.05 | 0.005 |  | 0.005 / 0.015 |" in md
+    assert "| kid_vs_ref | distribution | pass | -1e-05 | 0.55 | -8e-06 / -4e-06 / 2e-05 |  |" in md
+    assert "minimum detectable eps bias 0.015" in md
+
+
+def test_no_quality_md_without_a_gated_row(sweep):
+    report.write_report(sweep)
+    assert not (sweep / "quality.md").exists()
