@@ -51,6 +51,7 @@ from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
 from med_ddpm.errors import ConfigError, check_int
+from med_ddpm.model import INPUT_CONV
 
 Stack = tuple[str, ...]
 Job = list[str]  # Hydra overrides of configs/bench.yaml
@@ -163,7 +164,8 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     N = ``quality.n_samples`` (32: 8 masks x 4 seeds) against strict-FP32 DDPM-250, the reference cached for the
     whole ladder. First what proves the gate (strict FP32 with another seed must pass; the negative controls of
     :mod:`bench.controls`, probed on the reference's x_t, must fail from a 2 % eps scale on), then the exact FP32
-    recipes, ``experiment=fast_sample`` exactly as shipped, its fp16 variant, and DDPM without the x0 clipping.
+    recipes, ``experiment=fast_sample`` exactly as shipped, its fp16 variant, its bf16 stack with the first
+    convolution (which reads x_t) kept in fp32, and DDPM without the x0 clipping.
     The gate's cost is its trajectories at batch N, so the cheap probe-only controls run early and a short budget
     cuts the last jobs, which a rerun finishes."""
     if checkpoint is None:
@@ -184,6 +186,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     sampling = [*common, "bench=full_sample", "bench.batch_size=32", "bench.warmup=1", "bench.iters=2"]
     yield [*sampling, "experiment=fast_sample"]
     yield [*sampling, "experiment=fast_sample", *experiment_stack("fast_sample", {"amp_bf16": "amp_fp16"})]
+    yield [*sampling, "experiment=fast_sample", f"recipe.amp_bf16.fp32_modules=[{INPUT_CONV}]"]
     yield [*common, "bench=full_sample", "bench.batch_size=4", "bench.warmup=0", "bench.iters=1", "sampler=ddpm",
            "+sampler.clip_denoised=false", "recipe=[]"]
 

@@ -30,6 +30,7 @@ from optim.attention import AttentionCore
 
 NORM_GROUPS = 32
 TIME_EMBED_MAX_PERIOD = 1000  # Med-DDPM uses 1000, not guided-diffusion's 10000
+INPUT_CONV = "input_blocks.0.0"  # the convolution that reads x_t (and the mask channels)
 
 
 class GroupNorm32(nn.GroupNorm):

@@ -6,6 +6,12 @@ needs a ``GradScaler``; bf16 has fp32's range and needs none. A non-finite loss 
 a bad batch) must skip the step rather than poison the weights and the EMA, so the training
 loop asks :func:`finite_or_skip` (or the stack's counting guard) before ``backward``.
 
+``fp32_modules`` keeps named modules out of autocast (an fp32 island, inputs cast up). The one that matters
+for a diffusion denoiser is the first convolution, which reads x_t: at small t, x_t = sqrt(abar) x0 +
+sqrt(1 - abar) eps (DDPM eq. 4) carries eps at an amplitude of about 0.014 (cosine schedule, T = 250, t = 0),
+below bf16's 8-bit mantissa resolution on intensities near 1, so bf16 rounding of x_t erases part of the very
+signal the network must read (``bench.experiments.precision_attribution``, group ``input_conv``).
+
 Example:
     >>> with autocast_for("bfloat16", "cuda"):
     ...     loss = diffusion_loss(model, schedule, x0, cond)
@@ -16,12 +22,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from optim.base import Capabilities, Recipe, RecipeConflictError
+from optim.forward_override import override_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +48,26 @@ def autocast_for(dtype: str | torch.dtype, device_type: str = "cuda",
                  cache_enabled: bool = True) -> torch.autocast:
     """Functional twin: the autocast context for ``dtype`` on ``device_type`` (CPU works too)."""
     return torch.autocast(device_type, dtype=resolve_dtype(dtype), cache_enabled=cache_enabled)
+
+
+def _fp32_island(forward: Callable[..., Any], device_type: str) -> Callable[..., Any]:
+    def island(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        with torch.autocast(device_type, enabled=False):
+            return forward(*args, **kwargs)
+    return island
+
+
+def keep_fp32(model: nn.Module, names: Sequence[str], device_type: str) -> list[str]:
+    """Functional twin of ``fp32_modules``: run the named submodules outside autocast; returns the names."""
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise RecipeConflictError(f"amp fp32_modules: the model has no module {name!r} (names as in "
+                                      "model.named_modules(), e.g. input_blocks.0.0 for the first convolution)") from None
+        override_forward(module, functools.partial(_fp32_island, device_type=device_type))
+    return list(names)
 
 
 def finite_or_skip(loss: torch.Tensor) -> bool:
@@ -86,24 +115,27 @@ class Amp(Recipe):
     }
     NAMES = {torch.bfloat16: "amp_bf16", torch.float16: "amp_fp16"}
 
-    def __init__(self, dtype: str = "bfloat16", cache_enabled: bool = True) -> None:
+    def __init__(self, dtype: str = "bfloat16", cache_enabled: bool = True, fp32_modules: Sequence[str] = ()) -> None:
         self.dtype = resolve_dtype(dtype)
         self.name = self.NAMES[self.dtype]
         self.capabilities = self.CAPABILITIES[self.dtype]
         self.cache_enabled = cache_enabled
+        self.fp32_modules = [str(n) for n in fp32_modules]
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         param = next(model.parameters(), None)
         if param is not None:
             self.device_type = param.device.type
+        keep_fp32(model, self.fp32_modules, self.device_type)
         return model
 
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return autocast_for(self.dtype, self.device_type, self.cache_enabled)
 
     def options(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).removeprefix("torch."), "cache_enabled": self.cache_enabled}
+        return {"dtype": str(self.dtype).removeprefix("torch."), "cache_enabled": self.cache_enabled,
+                "fp32_modules": self.fp32_modules}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "device_type": self.device_type}

@@ -10,7 +10,8 @@ error against strict FP32 of:
 * ``only G``: float32 everywhere except group G under autocast.
 
 Groups: ``groupnorm`` (every GroupNorm), ``time_embedding`` (the timestep MLP), ``attention`` (the attention
-blocks), ``output_conv`` (the final GroupNorm + SiLU + conv), ``residual_convs`` (every other Conv3d). The
+blocks), ``output_conv`` (the final GroupNorm + SiLU + conv), ``input_conv`` (the first conv, which reads
+x_t), ``residual_convs`` (every other Conv3d). The
 error is the relative L2 of ε and the per-sample slope of ε on the FP32 ε (a scale bias: see
 :mod:`med_ddpm.gate`). The remainder not explained by any group is accumulation across groups.
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from med_ddpm.gate import json_safe
+from med_ddpm.model import INPUT_CONV
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import gate_model
 from med_ddpm.stats import per_sample_fit
@@ -42,7 +44,8 @@ GROUPS: dict[str, Callable[[str, nn.Module], bool]] = {
     "time_embedding": lambda name, m: name == "time_embed",
     "attention": lambda name, m: type(m).__name__ == "AttentionBlock",
     "output_conv": lambda name, m: name == "out",
-    "residual_convs": lambda name, m: isinstance(m, nn.Conv3d) and not name.startswith("out."),
+    "input_conv": lambda name, m: name == INPUT_CONV,
+    "residual_convs": lambda name, m: isinstance(m, nn.Conv3d) and name != INPUT_CONV and not name.startswith("out."),
 }
 PROBE_FRACTIONS = (0.0, 0.5, 0.96)  # t / T: low noise, middle, near pure noise
 
