@@ -123,14 +123,18 @@ def core_ladder(best: Stack) -> Iterator[Job]:
 def targets_ladder() -> Iterator[Job]:
     """The two shipped experiments against the strict-FP32 baseline of each workload, 128^3, batch 1:
     ``experiment=fast_sample``'s forward and sample (its sampler, and DDPM-250 with its stack), and
-    ``experiment=fast_train``'s training step (at its batch and accumulation, read from its config). The FP32
-    250-step sample runs last, so a short budget cuts only it."""
+    ``experiment=fast_train``'s training step (at its batch and accumulation, read from its config), then
+    ``fast_sample``'s forward and sample with fp16 and with the bf16 input-convolution island (the variants
+    the quality gate passes or tries). The FP32 250-step sample runs last, so a short budget cuts only it."""
     yield ["bench=denoise_step", "recipe=[]"]
     yield ["bench=train_step", "recipe=[]", *experiment_train_settings("fast_train")]
     yield ["experiment=fast_sample", "bench=denoise_step"]
     yield ["experiment=fast_train", "bench=train_step"]
     yield ["experiment=fast_sample", "bench=full_sample", *DDPM_250, "bench.iters=3"]  # the stack alone
     yield ["experiment=fast_sample", "bench=full_sample"]
+    for variant in fast_sample_precisions():  # the quality gate's passing candidates, timed at 128^3 beside bf16
+        yield ["experiment=fast_sample", "bench=denoise_step", *variant]
+        yield ["experiment=fast_sample", "bench=full_sample", *variant]
     yield FP32_SAMPLE
 
 
@@ -159,6 +163,12 @@ def _recipes_of(overrides: list[str]) -> DictConfig:
         return compose("bench", overrides=[*overrides, "output_dir=."]).recipe
 
 
+def fast_sample_precisions() -> tuple[list[str], ...]:
+    """``experiment=fast_sample`` with ``amp_fp16`` in place of ``amp_bf16``, and with bf16's first convolution
+    (which reads x_t) kept in fp32: the overrides of each."""
+    return (experiment_stack("fast_sample", {"amp_bf16": "amp_fp16"}), [f"recipe.amp_bf16.fp32_modules=[{INPUT_CONV}]"])
+
+
 def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     """The gate's verdict next to the time on the quality model (``experiment=quality_model`` weights, 64^3),
     N = ``quality.n_samples`` (32: 8 masks x 4 seeds) against strict-FP32 DDPM-250, the reference cached for the
@@ -185,8 +195,8 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     # timed at batch N as gated, so the gate's compile of the same shapes is an inductor cache hit
     sampling = [*common, "bench=full_sample", "bench.batch_size=32", "bench.warmup=1", "bench.iters=2"]
     yield [*sampling, "experiment=fast_sample"]
-    yield [*sampling, "experiment=fast_sample", *experiment_stack("fast_sample", {"amp_bf16": "amp_fp16"})]
-    yield [*sampling, "experiment=fast_sample", f"recipe.amp_bf16.fp32_modules=[{INPUT_CONV}]"]
+    for variant in fast_sample_precisions():
+        yield [*sampling, "experiment=fast_sample", *variant]
     yield [*common, "bench=full_sample", "bench.batch_size=4", "bench.warmup=0", "bench.iters=1", "sampler=ddpm",
            "+sampler.clip_denoised=false", "recipe=[]"]
 

@@ -159,8 +159,15 @@ def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budge
 
 def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
     """``preset=targets`` composes ``experiment=fast_sample`` and ``experiment=fast_train`` (their stacks are
-    not rewritten in Python): each workload next to its strict-FP32 baseline."""
+    not rewritten in Python): each workload next to its strict-FP32 baseline; then fast_sample's fp16 and
+    bf16-island variants, each differing from the shipped stack in its autocast only."""
     jobs = jobs_of("targets", tmp_path)
+    shipped = [job for job in jobs if not any("amp_fp16" in o or "fp32_modules" in o for o in job)]
+    variants = [compose_job(job, tmp_path / f"v{n}")["config"] for n, job in enumerate(jobs) if job not in shipped]
+    assert [c["bench"]["scenario"] for c in variants] == ["denoise_step", "full_sample"] * 2
+    assert [list(c["recipe"])[0] for c in variants] == ["amp_fp16", "amp_fp16", "amp_bf16", "amp_bf16"]
+    assert variants[2]["recipe"]["amp_bf16"]["fp32_modules"] == ["input_blocks.0.0"]
+    jobs = shipped
     assert not any(o.startswith("recipe=[") and o != "recipe=[]" for job in jobs for o in job)
     specs = [compose_job(job, tmp_path / str(n)) for n, job in enumerate(jobs)]
     baselines = {baseline_key(base_row(s)) for s in specs if not s["recipes"]}
