@@ -37,9 +37,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import CONFIG_DIR, spawn
+from bench.e2e import spawn
 from bench.ladder import experiment_stack, quality_pair_ladder, run_ladder
 from med_ddpm.checkpoint import read_checkpoint
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.errors import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.train import LOSS_LOG
