@@ -50,8 +50,8 @@ class RestartSampler(Sampler):
 
     stochastic = True
 
-    def __init__(self, schedule: NoiseSchedule, base: str = "dpm_solver_pp", t_min: int = 57, t_max: int = 150,
-                 restarts: int = 2, restart_steps: int = 6, **base_options: Any):
+    def __init__(self, schedule: NoiseSchedule, *, t_min: int, t_max: int, restarts: int = 2, restart_steps: int = 6,
+                 base: str = "dpm_solver_pp", **base_options: Any):
         T = schedule.num_train_timesteps
         opts = OmegaConf.create({"sampler": {"base": base, "t_min": t_min, "t_max": t_max, "restarts": restarts,
                                              "restart_steps": restart_steps}})
