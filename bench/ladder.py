@@ -214,11 +214,17 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterato
            f"quality.candidate_checkpoint={candidate}"]
 
 
+# Restart sampling on the 13-step quadratic main pass (t_min is one of its points), 25 model calls each:
+# (t_min, t_max, restarts, restart_steps); the first is configs/sampler/restart.yaml's.
+RESTARTS = ((28, 111, 2, 6), (16, 85, 3, 4), (62, 173, 2, 6))
+
+
 def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     """Few-step stochastic samplers gated on the quality model, each timed with ``experiment=fast_sample``'s stack
     exactly as the quality preset gates it (batch N, the same reference cache): SDE-DPM-Solver++ 2M and 3M on the
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
-    ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`). Issue: 25 calls or fewer."""
+    ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`), then restart sampling
+    (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``). Issue: 25 calls or fewer."""
     if checkpoint is None:
         raise ConfigError("bench.ladder preset=samplers needs checkpoint=PATH (python -m med_ddpm.train "
                          "experiment=quality_model writes one)")
@@ -231,6 +237,10 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
                 yield [*gated, f"sampler.steps={steps}", f"sampler.order={order}", f"sampler.spacing={spacing}"]
     for path in sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml")):
         yield [*gated, f"sampler={path.stem}", f"sampler.steps={len(OmegaConf.load(path).timesteps)}"]
+    for variant in ("ode", "sde"):
+        for t_min, t_max, restarts, restart_steps in RESTARTS:
+            yield [*gated, "sampler=restart", "sampler.steps=13", f"sampler.variant={variant}", f"sampler.t_min={t_min}",
+                   f"sampler.t_max={t_max}", f"sampler.restarts={restarts}", f"sampler.restart_steps={restart_steps}"]
 
 
 def smoke_ladder(best: Stack) -> Iterator[Job]:

@@ -25,7 +25,7 @@ scenario           ``train_step`` | ``denoise_step`` | ``full_sample``
 model              model config name (``medddpm_whole_head``, ``tiny``, ...)
 image_size         [D, H, W]
 batch_size         volumes per call
-sampler, steps     sampler name and reverse steps (full_sample; null otherwise)
+sampler, steps     sampler label and model calls per sample (full_sample; null otherwise)
 recipes            recipe names in selection order; ``[]`` is the strict-FP32 baseline
 status             ``ok`` | ``oom`` | ``nan`` | ``unsupported`` | ``error``
 message            why a job failed (empty when ok)

@@ -242,7 +242,7 @@ def plot_calls(rows: list[dict[str, Any]], table: list[dict[str, Any]], path: Pa
     points = [(float(r["steps"]), max(worst_distribution_p(r), 1e-6)) for r, _ in pairs]
     shown = [t for _, t in pairs]
     return _front_plot(points, shown, [f"{t['sampler']} {t['recipes']}" for t in shown], path,
-                       ("model calls per sample (sampler steps)",
+                       ("model calls per sample",
                         "worst distribution-check p-value vs DDPM-250 (higher: closer)"), log_y=True)
 
 

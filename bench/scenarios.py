@@ -49,7 +49,7 @@ from bench.timing import (
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.quality import randomize_zero_init
-from med_ddpm.samplers import sample, sampler_from_config
+from med_ddpm.samplers import sample, sampler_calls, sampler_from_config
 from med_ddpm.train import TrainState, new_ema, train_step
 from med_ddpm.utils import seed_everything
 from optim import RecipeConflictError, RecipeStack
@@ -147,13 +147,13 @@ SCENARIOS: dict[str, Callable[[Parts, Mapping], Step]] = {
 
 
 def model_calls(cfg: Mapping) -> int:
-    """Network evaluations per scenario call: one per micro-batch of a train step, the sampler's steps
+    """Network evaluations per scenario call: one per micro-batch of a train step, the sampler's model calls
     for a full sample."""
     scenario = cfg["bench"]["scenario"]
     if scenario == "train_step":
         return int(cfg["train"]["grad_accum"])
     if scenario == "full_sample":
-        return int(cfg["sampler"].get("steps") or cfg["diffusion"]["timesteps"])
+        return sampler_calls(cfg["sampler"], int(cfg["diffusion"]["timesteps"]))
     return 1
 
 

@@ -28,6 +28,7 @@ _EXPORTS = {
     "DDIMSampler": "samplers",
     "DPMSolverPPSampler": "samplers",
     "DEISSampler": "samplers",
+    "RestartSampler": "restart",
     "build_sampler": "samplers",
     "sample": "samplers",
 }

@@ -231,6 +231,10 @@ class FewStepSampler(Sampler):
     def reset_history(self) -> None:
         """Forget multistep state (nothing to forget for one-step samplers)."""
 
+    def noise_std(self, k: int) -> float:
+        """Std of the fresh noise step k adds (0: a deterministic step); the step is x' = m + std·z."""
+        return 0.0
+
     def _index(self, t: int | torch.Tensor) -> int:
         """Position k of timestep t on the grid; multistep solvers also check the order."""
         k = self._position.get(int(t))
@@ -269,11 +273,15 @@ class DDIMSampler(FewStepSampler):
         self.stochastic = self.eta > 0
         super().__init__(schedule, clip_denoised, spacing, timesteps)
 
+    def noise_std(self, k: int) -> float:
+        a_t, a_prev = self.abar[k], self.abar[k + 1]
+        return self.eta * math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))  # eq. 16
+
     def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
         k = self._index(t)
-        a_t, a_prev = self.abar[k], self.abar[k + 1]
+        a_prev = self.abar[k + 1]
         pred_x0 = self._x0(x_t, model_output, k)
-        std = self.eta * math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))  # eq. 16
+        std = self.noise_std(k)
         prev = math.sqrt(a_prev) * pred_x0 + math.sqrt(max(1 - a_prev - std**2, 0.0)) * model_output
         if std > 0:
             noise = self._fresh_noise(noise, x_t, generator)
@@ -357,6 +365,11 @@ class DPMSolverPPSampler(FewStepSampler):
     def reset_history(self) -> None:
         self._x0s: list[torch.Tensor] = []  # x̂₀ of the previous steps, newest first
 
+    def noise_std(self, k: int) -> float:
+        if self.variant == "ode" or k == self.num_inference_steps - 1:
+            return 0.0
+        return self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * (self.lam[k + 1] - self.lam[k])))
+
     def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
         k = self._index(t)
         pred_x0 = self._x0(x_t, model_output, k)
@@ -377,8 +390,7 @@ class DPMSolverPPSampler(FewStepSampler):
             gain = -math.expm1(-h) if self.variant == "ode" else -math.expm1(-2 * h)
             prev = decay * x_t + self.alpha[k + 1] * gain * d
         if self.variant == "sde":
-            noise = self._fresh_noise(noise, x_t, generator)
-            prev = prev + self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * h)) * noise
+            prev = prev + self.noise_std(k) * self._fresh_noise(noise, x_t, generator)
         self._x0s = [pred_x0, *self._x0s][:2]
         return StepOutput(prev, pred_x0)
 
@@ -448,7 +460,7 @@ class DEISSampler(FewStepSampler):
         return StepOutput(prev, pred_x0)
 
 
-SAMPLERS: dict[str, type[Sampler]] = {
+SAMPLERS: dict[str, type[Sampler]] = {  # and "restart" (med_ddpm.restart), which wraps the few-step ones
     "ddpm": DDPMSampler,
     "ddim": DDIMSampler,
     "dpm_solver_pp": DPMSolverPPSampler,
@@ -459,9 +471,12 @@ SAMPLERS: dict[str, type[Sampler]] = {
 def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, **kwargs) -> Sampler:
     """Sampler by config name, with its timesteps set (``steps`` defaults to T, or to the length of an
     explicit ``timesteps`` grid)."""
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
-    sampler = SAMPLERS[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
+    from med_ddpm.restart import RestartSampler  # it imports this module
+
+    known = {**SAMPLERS, "restart": RestartSampler}
+    if name not in known:
+        raise ValueError(f"unknown sampler {name!r}; known: {sorted(known)}")
+    sampler = known[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
     if steps is not None:
         sampler.set_timesteps(steps)
     return sampler
@@ -473,10 +488,18 @@ def sampler_options(node: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in node.items() if k not in ("name", "steps", "_target_")}
 
 
+def sampler_calls(node: Mapping[str, Any], num_train_timesteps: int) -> int:
+    """Model calls of one sample under a ``sampler`` config node: ``steps`` (all T when unset), plus
+    ``restarts`` × ``restart_steps`` for restart sampling (:class:`med_ddpm.restart.RestartSampler`)."""
+    steps = int(node.get("steps") or num_train_timesteps)
+    return steps + int(node.get("restarts") or 0) * int(node.get("restart_steps") or 0)
+
+
 def sampler_from_config(node: Mapping[str, Any], schedule: NoiseSchedule) -> Sampler:
     """A sampler from a ``sampler`` config node (``name``, ``steps`` and its own keys), timesteps set."""
     extra = sampler_options(node)
     return build_sampler(node["name"], schedule, node.get("steps"), **extra)
+
 
 @torch.no_grad()
 def sample(

@@ -16,6 +16,7 @@ API = {
     "NoiseSchedule": "med_ddpm.diffusion", "diffusion_loss": "med_ddpm.diffusion",
     "Sampler": "med_ddpm.samplers", "DDPMSampler": "med_ddpm.samplers", "DDIMSampler": "med_ddpm.samplers",
     "DPMSolverPPSampler": "med_ddpm.samplers", "DEISSampler": "med_ddpm.samplers",
+    "RestartSampler": "med_ddpm.restart",
     "build_sampler": "med_ddpm.samplers", "sample": "med_ddpm.samplers",
 }
 

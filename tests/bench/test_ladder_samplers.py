@@ -1,4 +1,5 @@
-"""bench.ladder preset=samplers: the few-step samplers gated like the quality preset, plus every searched grid."""
+"""bench.ladder preset=samplers: the few-step samplers gated like the quality preset, every searched grid and
+restart sampling at 25 model calls."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bench.experiments.step_search import sampler_snippet
-from bench.ladder import compose_job, ladder_jobs
+from bench.ladder import RESTARTS, compose_job, ladder_jobs
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
+from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.errors import ConfigError
+from med_ddpm.samplers import sampler_from_config
 
 
 def jobs(tmp_path) -> list[list[str]]:
@@ -28,12 +31,12 @@ def searched_grid():
     path.unlink()
 
 
-def test_samplers_preset_gates_2m_and_3m_and_the_searched_grids(tmp_path, searched_grid):
+def test_samplers_preset_gates_2m_3m_the_searched_grids_and_restarts(tmp_path, searched_grid):
     configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs(tmp_path))]
     assert all(c["bench"]["quality"] and c["bench"]["scenario"] == "full_sample" and c["bench"]["batch_size"] == 32
                for c in configs)
     assert {c["quality"]["cache_dir"] for c in configs} == {str(tmp_path / "gate_cache")}  # preset=quality's
-    samplers = [c["sampler"] for c in configs]
+    samplers = [c["sampler"] for c in configs if c["sampler"]["name"] != "restart"]
     assert all(s["name"] == "dpm_solver_pp" and s["variant"] == "sde" for s in samplers)
     grid = {(s["steps"], s["order"], s["spacing"]) for s in samplers if s["timesteps"] is None}
     assert grid == {(n, o, sp) for n in (10, 25, 50) for o in (2, 3) for sp in ("trailing", "quadratic")}
@@ -43,6 +46,13 @@ def test_samplers_preset_gates_2m_and_3m_and_the_searched_grids(tmp_path, search
     rows = [base_row(compose_job(job, tmp_path / "x")) for job in jobs(tmp_path)]
     assert "dpm_solver_pp(order=3,variant=sde,spacing=quadratic)" in {r["sampler"] for r in rows}
     assert len({(r["sampler"], r["steps"]) for r in rows}) == len(rows)  # a row's label and steps name its sampler
+    restarts = [(c, r) for c, r in zip(configs, rows) if c["sampler"]["name"] == "restart"]
+    assert {(c["sampler"]["variant"], c["sampler"]["t_min"], c["sampler"]["t_max"]) for c, _ in restarts} == {
+        (v, t_min, t_max) for v in ("ode", "sde") for t_min, t_max, _, _ in RESTARTS}
+    assert {r["steps"] for _, r in restarts} == {25}  # the row's steps are its model calls, not the main pass's 13
+    assert "restart" in {r["sampler"] for _, r in restarts}  # configs/sampler/restart.yaml as is
+    schedule = NoiseSchedule.from_config(configs[0]["diffusion"])
+    assert all(len(sampler_from_config(c["sampler"], schedule).timesteps) == 25 for c, _ in restarts)
 
 
 def test_samplers_preset_needs_the_checkpoint(tmp_path):
