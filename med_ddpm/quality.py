@@ -40,7 +40,7 @@ import torch
 
 from med_ddpm.errors import ConfigError
 from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun, json_safe
-from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
+from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_calls, sampler_from_config
 from med_ddpm.utils import atomic_save
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
@@ -98,8 +98,9 @@ def default_probe_timesteps(num_train_timesteps: int) -> list[int]:
 
 
 def describe_sampler(sampler: Sampler) -> dict[str, Any]:
-    """Identity of a sampler for the report; two runs are *paired* only if these match."""
-    return {"name": type(sampler).__name__, "steps": int(sampler.num_inference_steps)}
+    """Identity of a sampler for the report; two runs are *paired* only if these match. ``calls``: model calls
+    per sample (``steps`` plus any restart segments)."""
+    return {"name": type(sampler).__name__, "steps": int(sampler.num_inference_steps), "calls": len(sampler.timesteps)}
 
 
 def run_trajectory(
@@ -218,7 +219,8 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
            "device": device.type, "checkpoint": _file_identity(checkpoint), "code": reference_code_digest()}
     reference = _cached(q.get("cache_dir"), key, strict_reference)
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
-    noise = fixed_noise(shape, T, cand_seed, device) if q.get("trajectory", True) else None
+    calls = max(T, sampler_calls(cfg.get("sampler") or {}, T))  # restart sampling can call more than T times
+    noise = fixed_noise(shape, calls, cand_seed, device) if q.get("trajectory", True) else None
     if other_net is not None:
         with RecipeStack([]).session():
             candidate = (probe_run(other_net, reference, device) if noise is None else

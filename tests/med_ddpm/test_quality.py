@@ -173,6 +173,18 @@ def test_gate_reuses_a_cached_strict_reference(tmp_path, monkeypatch):
         quality.gate_from_config(cfg, "cpu")
 
 
+def test_a_sampler_with_more_calls_than_t_gets_a_noise_field_per_call():
+    """Restart sampling can make more model calls than the T steps of the DDPM reference: the candidate's fixed
+    noise has one field per call."""
+    from med_ddpm import quality
+
+    cfg = _compose("diffusion.timesteps=8", "sampler=restart", "sampler.steps=4", "sampler.spacing=trailing",
+                   "sampler.t_min=3", "sampler.t_max=7", "sampler.restarts=3", "sampler.restart_steps=2", "recipe=[]")
+    report = quality.gate_from_config(cfg, "cpu").to_dict()
+    assert report["candidate_sampler"] == {"name": "RestartSampler", "steps": 4, "calls": 10}
+    assert report["verdict"] in {"pass", "warn", "fail"}
+
+
 def _save_weights(path, cfg, scale_output: float = 1.0):
     """A checkpoint of the gate's seeded net; ``scale_output`` multiplies the last conv: ε × scale exactly."""
     from omegaconf import OmegaConf
