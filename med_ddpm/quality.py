@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from med_ddpm.errors import ConfigError
-from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun, json_safe
+from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun
 from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
-from med_ddpm.utils import atomic_save
+from med_ddpm.utils import atomic_save, json_safe
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
 
