@@ -13,7 +13,7 @@ with a value that the code would later change, ignore or divide by.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,8 +63,12 @@ def check_number(cfg: DictConfig, key: str, low: float, high: float = math.inf, 
     return float(value)
 
 
-def check_choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> str:
-    value = _value(cfg, key)
+def check_choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> str:
+    return check_one_of(key, _value(cfg, key), choices)
+
+
+def check_one_of(key: str, value: Any, choices: Sequence[str]) -> Any:
+    """``value`` (option ``key``) must be one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{key}={value!r}: unknown value; pass one of {', '.join(choices)}")
     return value
