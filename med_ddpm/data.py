@@ -47,7 +47,7 @@ from monai.transforms import (
 )
 from torch.utils.data import Dataset
 
-from med_ddpm.errors import DataError, check_one_of
+from med_ddpm.errors import ConfigError, DataError, check_one_of
 
 INTENSITY_MODES = ("volume_minmax", "medddpm_slice_minmax", "none")
 RESIZE_MODES = ("crop_or_pad", "resample")
@@ -530,7 +530,8 @@ def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_d
         return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching mixed up a BraTS case's 4 image files
     if cache == "disk":
         if not cache_dir:
-            raise ValueError("data.cache=disk needs data.cache_dir (a folder for MONAI's PersistentDataset)")
+            raise ConfigError("data.cache=disk needs data.cache_dir; pass data.cache_dir=FOLDER (for MONAI's "
+                              "PersistentDataset)")
         return PersistentDataset(records, transform, cache_dir=Path(cache_dir))
     return MonaiDataset(records, transform)
 
@@ -555,7 +556,7 @@ def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None 
 
     ``image_size`` (D, H, W) normally comes from the model node; ``cfg_data.image_size`` is the fallback.
     """
-    name = cfg_data["name"]
+    name = check_one_of("data.name", cfg_data["name"], ("synthetic", "whole_head", "brats"))
     size = tuple(int(s) for s in (image_size if image_size is not None else cfg_data["image_size"]))
     common = {k: cfg_data[k] for k in ("intensity",) if k in cfg_data}
     if name == "synthetic":
@@ -566,10 +567,8 @@ def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None 
     files = {k: cfg_data[k] for k in ("resize_mode", "on_bad_file", "cache", "cache_dir") if k in cfg_data}
     if name == "whole_head":
         return WholeHeadDataset(cfg_data["root"], size, **common, **files)
-    if name == "brats":
-        return BratsDataset(cfg_data["root"], size, layout=cfg_data.get("layout", "auto"),
-                            seg_labels=cfg_data.get("seg_labels", "auto"), **common, **files)
-    raise ValueError(f"data.name={name!r} is not one of ['synthetic', 'whole_head', 'brats']")
+    return BratsDataset(cfg_data["root"], size, layout=cfg_data.get("layout", "auto"),
+                        seg_labels=cfg_data.get("seg_labels", "auto"), **common, **files)
 
 
 def load_condition(mask_path: str | Path, variant: str, image_size: Sequence[int], *,
