@@ -31,30 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 from torch.utils.data import default_collate
 
-from bench.records import MEASURED_FIELDS, RESULTS_FILE, append_row, job_key, read_rows
-from bench.sweep import recipe_options
+from bench import worker
+from bench.records import RESULTS_FILE, append_row, job_key, read_rows
+from bench.sweep import job_spec
 from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
-from bench.worker import classify
 from med_ddpm import cli, distributed
-from med_ddpm.train import CONFIG_DIR, Job, build, train_step
+from med_ddpm.train import Job, build, train_step
 from med_ddpm.utils import env_info
 
 SCENARIO = "ddp_train_step"
-
-
-def compose_config(overrides: list[str], out: Path) -> tuple[DictConfig, str]:
-    """``configs/ddp.yaml`` + overrides, as the command line composes it, and the model config's name."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="ddp", overrides=[*overrides, f"ddp.out={out}"], return_hydra_config=True)
-    model_name = cfg.hydra.runtime.choices.get("model")
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, model_name
 
 
 def memory_batches(job: Job):
@@ -93,16 +82,11 @@ def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> tuple[float | Non
     return same[-1]["volumes_per_s"], {"run_id": same[-1].get("run_id"), "git_sha": same[-1].get("git_sha")}
 
 
-def base_row(cfg, model_name: str | None, world: int) -> dict[str, Any]:
-    recipes = OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") else {}
-    return {
-        "scenario": SCENARIO, "model": model_name, "image_size": list(cfg.model.image_size),
-        "batch_size": int(cfg.train.batch_size), "grad_accum": int(cfg.train.grad_accum),
-        "sampler": None, "steps": None, "recipes": list(recipes),
-        "recipe_options": recipe_options(recipes), "world_size": world,
-        **dict.fromkeys(MEASURED_FIELDS), "status": "error", "message": "", "quality": None,
-        "config": OmegaConf.to_container(cfg, resolve=True),
-    }
+def base_row(cfg: DictConfig, model_name: str | None, world: int) -> dict[str, Any]:
+    """:func:`bench.worker.base_row` of the training step this run times, as scenario ``ddp_train_step``."""
+    job = job_spec(cfg, model_name)
+    step = {**job, "config": {**job["config"], "bench": {"scenario": "train_step"}}}
+    return worker.base_row(step) | {"scenario": SCENARIO, "world_size": world, "message": "", "config": job["config"]}
 
 
 def measurements(cfg, ranks: list[dict[str, Any]], world: int, baseline: float | None, iters: int,
@@ -138,7 +122,7 @@ def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
     try:
         mine = time_ranks(job, opts.warmup, opts.iters)
     except Exception as err:  # the failing rank records why; torchrun then stops the others
-        row["status"], row["message"] = classify(err)
+        row["status"], row["message"] = worker.classify(err)
         append_row(results, row | {"message": f"rank {distributed.rank()}: {row['message']}"})
         raise
     ranks = distributed.all_gather_object(mine)

@@ -27,13 +27,9 @@ DRAM throughput and an instruction-pipe mix per kernel, parsed from ncu's CSV.
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import re
-import shutil
-import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -44,7 +40,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from bench import kernels
+from bench import kernels, ncu
 from bench.records import recipe_label
 from bench.scenarios import batch_size, prepared_step
 from bench.sweep import job_spec, sweep_dir_of
@@ -52,7 +48,6 @@ from bench.timing import synchronize
 from med_ddpm import cli
 from med_ddpm.utils import atomic_write_text, resolve_device
 
-NCU = "/usr/local/cuda/bin/ncu"
 SLUG_MAX = 160  # file names: 255 bytes at most, and atomic_write adds a dot, a random part and .json.tmp
 
 
@@ -196,15 +191,6 @@ def write_comparison(out: Path, profiles: list[dict]) -> Path:
 
 
 # ---------------------------------------------------------------------------- Nsight Compute
-def parse_ncu_csv(text: str) -> list[dict[str, str]]:
-    """Rows of ``ncu --csv --page raw`` (a header row, a units row, then one row per kernel launch)."""
-    start = text.find('"ID"')
-    if start < 0:
-        raise ValueError("ncu output has no CSV table (look at the ncu log for the reason)")
-    rows = list(csv.DictReader(io.StringIO(text[start:])))
-    return [r for r in rows if r.get("ID", "").strip().isdigit()]
-
-
 def ncu_kernel_regex(top: list[dict], k: int) -> str:
     """An ncu ``--kernel-name regex:`` matching the first identifier of the top ``k`` kernels."""
     heads = []
@@ -215,21 +201,23 @@ def ncu_kernel_regex(top: list[dict], k: int) -> str:
     return "|".join(heads) or ".*"
 
 
-def run_ncu(cfg: dict[str, Any], record: dict, out: Path) -> list[dict[str, str]]:
-    """Profile the top kernels under ncu in a short subprocess run of the same job."""
+def run_ncu(cfg: dict[str, Any], record: dict, out: Path) -> list[dict[str, str | float | None]]:
+    """Profile the top kernels under ncu in a short subprocess run of the same job (:mod:`bench.ncu` runs it
+    and reads its raw page: values in ns and plain counts)."""
     p = cfg["profile"]
     job = json.loads(json.dumps({"config": cfg, "model": record["label"], "recipes": []}))
     job["config"]["bench"].update(warmup=1, iters=1, quality=False)
     job_path = out / f"ncu_job_{slug(record)}.json"
     atomic_write_text(job_path, json.dumps(job))
-    cmd = [shutil.which("ncu") or NCU, "--clock-control", "none", "--target-processes", "all", "--csv",
+    cmd = [ncu.find_ncu() or ncu.DEFAULT_NCU, "--clock-control", "none", "--target-processes", "all", "--csv",
            "--page", "raw", "--metrics", ",".join(p["ncu_metrics"]),
            "--kernel-name", f"regex:{ncu_kernel_regex(record['top'], int(p['ncu_kernels']))}",
            "--launch-count", str(int(p["ncu_launches"])),
            sys.executable, "-m", "bench.worker", str(job_path), str(out / f"ncu_row_{slug(record)}.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=int(p["ncu_timeout_s"]))
-    (out / f"ncu_{slug(record)}.log").write_text(proc.stdout + proc.stderr)
-    return parse_ncu_csv(proc.stdout)
+    run = ncu.run(cmd, timeout_s=float(p["ncu_timeout_s"]), log_path=out / f"ncu_{slug(record)}.log")
+    if run.returncode is None:
+        raise TimeoutError(f"ncu ran past profile.ncu_timeout_s={p['ncu_timeout_s']}")
+    return ncu.parse_raw(run.log)[0]
 
 
 def ncu_markdown(record: dict) -> str:
@@ -242,7 +230,7 @@ def ncu_markdown(record: dict) -> str:
              "| kernel | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
     for r in rows:
         name = kernels.short_name(r.get("Kernel Name", ""), 60).replace("|", "\\|")
-        lines.append(f"| `{name}` | " + " | ".join(r.get(m, "") for m in metrics) + " |")
+        lines.append(f"| `{name}` | " + " | ".join("" if r.get(m) is None else f"{r[m]:.4g}" for m in metrics) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -263,7 +251,7 @@ def main(cfg: DictConfig) -> None:
     if config["profile"]["ncu"]:
         try:
             record["ncu"] = run_ncu(config, record, out)
-        except (OSError, ValueError, subprocess.SubprocessError) as err:
+        except (OSError, ValueError) as err:  # no ncu, a timeout (TimeoutError), or no CSV table
             record["ncu"] = f"ncu failed: {type(err).__name__}: {err}"
     print(write_outputs(out, record))
 

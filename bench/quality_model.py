@@ -34,12 +34,11 @@ from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
 from med_ddpm.errors import CheckpointError, ConfigError, check_int
 from med_ddpm.evaluate import distribution_metrics, diversity, save_montage
 from med_ddpm.features import RandomConv3dFeatures
-from med_ddpm.gate import json_safe
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import fixed_noise
 from med_ddpm.samplers import DDPMSampler, sample
 from med_ddpm.train import LOSS_LOG
-from med_ddpm.utils import atomic_write_text, resolve_device
+from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
 from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
 

@@ -47,7 +47,7 @@ from monai.transforms import (
 )
 from torch.utils.data import Dataset
 
-from med_ddpm.errors import DataError
+from med_ddpm.errors import ConfigError, DataError, check_one_of
 
 INTENSITY_MODES = ("volume_minmax", "medddpm_slice_minmax", "none")
 RESIZE_MODES = ("crop_or_pad", "resample")
@@ -90,13 +90,8 @@ VARIANT_BY_IMAGE_CHANNELS = {v.image_channels: name for name, v in VARIANTS.item
 
 
 def get_variant(name: str) -> Variant:
-    _check_choice("variant", name, tuple(VARIANTS))
+    check_one_of("data.variant", name, tuple(VARIANTS))
     return VARIANTS[name]
-
-
-def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"data.{key}={value!r} is not one of {list(choices)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -221,7 +216,7 @@ _BRATS_FILE = re.compile(r"^(?P<case>.+)_(?P<kind>t1|t1ce|t2|flair|seg)$")
 
 
 def _brats_layout(root: Path, layout: str) -> str:
-    _check_choice("layout", layout, BRATS_LAYOUTS)
+    check_one_of("data.layout", layout, BRATS_LAYOUTS)
     if layout != "auto":
         return layout
     modality_dirs = [(root / m).is_dir() for m in (*BRATS_MODALITIES, "seg")]
@@ -323,7 +318,7 @@ def resolve_seg_labels(seg_labels: str, labels: np.ndarray, seg: np.ndarray, t1:
     the head (t1 above its minimum), which the Med-DDPM preprocessing turns into 4. Without a t1 volume, a
     Med-DDPM seg is recognised by label 4 (healthy brain) outweighing the tumour labels.
     """
-    _check_choice("seg_labels", seg_labels, SEG_LABEL_MODES)
+    check_one_of("data.seg_labels", seg_labels, SEG_LABEL_MODES)
     present = set(labels.tolist())
     if seg_labels == "auto":
         if 3 in present:
@@ -368,7 +363,7 @@ def validate_case(case: Case, variant: Variant, intensity: str, seg_labels: str 
 
 
 def _intensity_step(intensity: str) -> list[Callable]:
-    _check_choice("intensity", intensity, INTENSITY_MODES)
+    check_one_of("data.intensity", intensity, INTENSITY_MODES)
     if intensity == "volume_minmax":  # each modality on its own, like the original BraTS preprocessing
         return [ScaleIntensityd("image", minv=-1.0, maxv=1.0, channel_wise=True)]
     if intensity == "medddpm_slice_minmax":
@@ -381,7 +376,7 @@ def _resize_steps(keys: Sequence[str], image_size: Sequence[int], resize_mode: s
 
     Images are padded with -1, the background value after scaling; masks with label 0.
     """
-    _check_choice("resize_mode", resize_mode, RESIZE_MODES)
+    check_one_of("data.resize_mode", resize_mode, RESIZE_MODES)
     size = tuple(int(s) for s in image_size)
     if resize_mode == "resample":
         return [Resized(keys, size, mode=tuple("nearest" if k == "mask" else "trilinear" for k in keys))]
@@ -443,8 +438,8 @@ class NiftiPairDataset(Dataset):
                  intensity: str = "volume_minmax", resize_mode: str = "crop_or_pad", seg_labels: str = "auto",
                  on_bad_file: str = "error", cache: str = "auto", cache_dir: str | Path | None = None,
                  root: str | Path = "") -> None:
-        _check_choice("on_bad_file", on_bad_file, BAD_FILE_MODES)
-        _check_choice("cache", cache, CACHE_MODES)
+        check_one_of("data.on_bad_file", on_bad_file, BAD_FILE_MODES)
+        check_one_of("data.cache", cache, CACHE_MODES)
         self.variant, self.orphan_masks = variant, list(pairing.orphan_masks)
         transform = build_transforms(variant, image_size, intensity=intensity, resize_mode=resize_mode)
         self._warn_unused(pairing)
@@ -535,7 +530,8 @@ def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_d
         return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching mixed up a BraTS case's 4 image files
     if cache == "disk":
         if not cache_dir:
-            raise ValueError("data.cache=disk needs data.cache_dir (a folder for MONAI's PersistentDataset)")
+            raise ConfigError("data.cache=disk needs data.cache_dir; pass data.cache_dir=FOLDER (for MONAI's "
+                              "PersistentDataset)")
         return PersistentDataset(records, transform, cache_dir=Path(cache_dir))
     return MonaiDataset(records, transform)
 
@@ -560,7 +556,7 @@ def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None 
 
     ``image_size`` (D, H, W) normally comes from the model node; ``cfg_data.image_size`` is the fallback.
     """
-    name = cfg_data["name"]
+    name = check_one_of("data.name", cfg_data["name"], ("synthetic", "whole_head", "brats"))
     size = tuple(int(s) for s in (image_size if image_size is not None else cfg_data["image_size"]))
     common = {k: cfg_data[k] for k in ("intensity",) if k in cfg_data}
     if name == "synthetic":
@@ -571,10 +567,8 @@ def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None 
     files = {k: cfg_data[k] for k in ("resize_mode", "on_bad_file", "cache", "cache_dir") if k in cfg_data}
     if name == "whole_head":
         return WholeHeadDataset(cfg_data["root"], size, **common, **files)
-    if name == "brats":
-        return BratsDataset(cfg_data["root"], size, layout=cfg_data.get("layout", "auto"),
-                            seg_labels=cfg_data.get("seg_labels", "auto"), **common, **files)
-    raise ValueError(f"data.name={name!r} is not one of ['synthetic', 'whole_head', 'brats']")
+    return BratsDataset(cfg_data["root"], size, layout=cfg_data.get("layout", "auto"),
+                        seg_labels=cfg_data.get("seg_labels", "auto"), **common, **files)
 
 
 def load_condition(mask_path: str | Path, variant: str, image_size: Sequence[int], *,

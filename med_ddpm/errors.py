@@ -13,11 +13,12 @@ with a value that the code would later change, ignore or divide by.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 
 class UserError(ValueError):
@@ -63,8 +64,12 @@ def check_number(cfg: DictConfig, key: str, low: float, high: float = math.inf, 
     return float(value)
 
 
-def check_choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> str:
-    value = _value(cfg, key)
+def check_choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> str:
+    return check_one_of(key, _value(cfg, key), choices)
+
+
+def check_one_of(key: str, value: Any, choices: Sequence[str]) -> Any:
+    """``value`` (option ``key``) must be one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{key}={value!r}: unknown value; pass one of {', '.join(choices)}")
     return value
@@ -98,16 +103,22 @@ def check_device(cfg: DictConfig) -> None:
 
 
 @contextmanager
-def as_config_error(key: str, fix: str) -> Iterator[None]:
-    """Turn a ``ValueError`` raised while building an object from config node ``key`` into a
-    :class:`ConfigError` naming that node (constructors check their own arguments)."""
-    from optim.base import RecipeConflictError  # reported as it is (med_ddpm.cli)
+def as_config_error(key: str, fix: str, errors: tuple[type[Exception], ...] | None = None) -> Iterator[None]:
+    """Turn ``errors`` raised while building objects from config node ``key`` into a :class:`ConfigError` naming
+    that node. The default is what a config itself can be wrong with (a missing or mistyped key, a failed Hydra
+    instantiate), so that a bug in the code that builds keeps its traceback; around one constructor whose
+    arguments are the options and which checks them itself, ``errors=(ValueError, TypeError)``."""
+    from hydra.errors import InstantiationException  # here: importing this module stays free of Hydra
+
+    from optim.base import RecipeConflictError
+
+    errors = errors or (OmegaConfBaseException, InstantiationException)
 
     try:
         yield
-    except (UserError, RecipeConflictError):
+    except (UserError, RecipeConflictError, MissingMandatoryValue):  # med_ddpm.cli reports these as they are
         raise
-    except (ValueError, TypeError) as err:
+    except errors as err:
         raise ConfigError(f"{key}: {err}; {fix}") from err
 
 
@@ -117,5 +128,6 @@ def check_sampler(sampler: DictConfig, diffusion: DictConfig) -> None:
     from med_ddpm.diffusion import NoiseSchedule  # the samplers import this module
     from med_ddpm.samplers import sampler_from_config
 
-    with as_config_error("sampler", f"see configs/sampler/{sampler.get('name')}.yaml for its options"):
+    with as_config_error("sampler", f"see configs/sampler/{sampler.get('name')}.yaml for its options",
+                         errors=(ValueError, TypeError)):
         sampler_from_config(sampler, NoiseSchedule.from_config(diffusion))

@@ -41,7 +41,6 @@ from med_ddpm import cli
 from med_ddpm.data import nifti_stem, read_volume
 from med_ddpm.errors import ConfigError, DataError, check_choice, check_int
 from med_ddpm.features import FeatureExtractor
-from med_ddpm.gate import json_safe
 from med_ddpm.metrics import MAE, MSSSIM, PSNR, SSIM, frechet_distance
 from med_ddpm.stats import (
     histogram_w1,
@@ -51,7 +50,7 @@ from med_ddpm.stats import (
     permutation_test,
     polynomial_kernel,
 )
-from med_ddpm.utils import atomic_write_text, save_figure
+from med_ddpm.utils import atomic_write_text, json_safe, save_figure
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 NIFTI_SUFFIXES = (".nii", ".nii.gz")

@@ -45,6 +45,7 @@ from med_ddpm.stats import (
     permutation_test,
     polynomial_kernel,
 )
+from med_ddpm.utils import json_safe
 
 VERDICTS = ("pass", "warn", "fail")
 KINDS = ("bias", "limit", "paired", "distribution")
@@ -289,14 +290,3 @@ class QualityReport:
         return json_safe({"verdict": self.verdict, "reasons": self.reasons, "metrics": self.metrics,
                           "checks": self.checks, "reported": self.reported, **self.context})
 
-
-def json_safe(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    if isinstance(obj, np.floating | np.integer):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)  # "inf", "-inf", "nan": float() reads them back
-    return obj

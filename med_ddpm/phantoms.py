@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from med_ddpm.data import BRATS_MODALITIES, get_variant, labels_to_cond, medddpm_slice_minmax
+from med_ddpm.errors import ConfigError
 from med_ddpm.volume_io import save_volume_like
 
 # Tissue classes of the phantom (not labels: several tissues share a label).
@@ -126,7 +127,7 @@ class SyntheticPhantoms(Dataset):
     def __init__(self, num_volumes: int = 8, image_size: Sequence[int] = (32, 32, 32), *,
                  variant: str = "whole_head", seed: int = 0, intensity: str = "volume_minmax") -> None:
         if num_volumes < 1:
-            raise ValueError(f"data.num_volumes={num_volumes} must be >= 1")
+            raise ConfigError(f"data.num_volumes={num_volumes}: must be >= 1; pass data.num_volumes=N with N >= 1")
         self.variant = get_variant(variant)
         self.num_volumes, self.image_size, self.seed = int(num_volumes), tuple(int(s) for s in image_size), int(seed)
         self.intensity = intensity

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from med_ddpm.errors import ConfigError
-from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun, json_safe
+from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun
 from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_calls, sampler_from_config
-from med_ddpm.utils import atomic_save
+from med_ddpm.utils import atomic_save, json_safe
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
 
@@ -182,9 +182,10 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
                      n_samples: int | None = None) -> QualityReport:
     """The gate for a config's recipe stack and sampler vs strict-FP32 DDPM on the same weights.
 
-    Reads only the shared keys: ``model``, ``diffusion``, ``sampler``, ``recipe``, ``quality``,
-    ``seed``. Weights come from ``checkpoint`` (this project's or an original Med-DDPM file) or,
-    when None, a ``seed``-fixed random init of ``model``. N is the larger of ``n_samples`` and
+    Reads only the shared keys: ``model``, ``diffusion``, ``sampler``, ``recipe``, ``quality`` (absent:
+    ``configs/quality/default.yaml``), ``seed``; ``quality.cond_layout`` is the network's data variant. Weights
+    come from ``checkpoint`` (this project's or an original Med-DDPM file) or, when None, a ``seed``-fixed random
+    init of ``model``. N is the larger of ``n_samples`` and
     ``quality.n_samples``: ``quality.n_masks`` phantom masks, N / n_masks noise draws each. The
     reference uses noise ``seed``; the candidate ``quality.candidate_seed`` (null: the same, so the
     runs are paired). ``quality.trajectory=false`` probes the candidate's ε only (drift checks).
@@ -197,17 +198,16 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
 
     cfg = _as_dict(cfg)
     device, seed = torch.device(device), int(cfg.get("seed", 0))
-    q = {**load_thresholds(), **(cfg.get("quality") or {})}
     model, schedule = gate_model(cfg, checkpoint, seed)
     model, schedule = model.to(device).eval(), schedule.to(device)
     variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
+    q = {**(cfg.get("quality") or load_thresholds()), "cond_layout": variant}  # the masks are this variant's
     n = max(int(n_samples or 0), int(q["n_samples"]))
     cond = phantom_masks(n, int(q["n_masks"]), tuple(cfg["model"]["image_size"]), variant, seed).to(device)
     T = schedule.num_train_timesteps
     ddpm = DDPMSampler(schedule)
     ddpm.set_timesteps(T)
     shape = (n, model.out_channels, *cond.shape[2:])
-    q["cond_layout"] = variant
     other = q.get("candidate_checkpoint")
     other_net = candidate_weights(cfg, other, model, schedule) if other else None  # refused before any run
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from med_ddpm.errors import ConfigError
+
 
 class Tracker:
     """No-op tracker (``logger=none``); the W&B one overrides these."""
@@ -77,4 +79,4 @@ def build_tracker(cfg: Mapping[str, Any] | None, config: Mapping[str, Any] | Non
         return Tracker()
     if name == "wandb":
         return WandbTracker(cfg, config or {})
-    raise ValueError(f"unknown logger {name!r}; use logger=none or logger=wandb")
+    raise ConfigError(f"logger={name}: unknown logger; pass logger=none or logger=wandb")

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import math
 import os
 import platform
 import random
 import socket
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,6 +69,20 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write text atomically (UTF-8)."""
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` as strict JSON accepts it: numpy scalars become Python numbers, tuples lists, keys strings, and
+    inf/nan the strings "inf"/"nan" (``json.dumps`` would write the non-standard ``Infinity``/``NaN``)."""
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.floating | np.integer):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)  # "inf", "-inf", "nan": float() reads them back
+    return obj
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

@@ -271,6 +271,17 @@ def test_a_bug_keeps_its_traceback(bug, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_bug_inside_build_keeps_its_type_and_a_config_error_names_the_node():
+    from med_ddpm.errors import ConfigError, as_config_error
+
+    with pytest.raises(TypeError, match="^a bug$"), as_config_error("options", "fix"):
+        raise TypeError("a bug")
+    strict = OmegaConf.create({"a": 1})
+    OmegaConf.set_struct(strict, True)
+    with pytest.raises(ConfigError, match="^options: Key 'b' is not in struct"), as_config_error("options", "fix"):
+        _ = strict.b
+
+
 def test_report_of_a_folder_without_results_is_one_line(tmp_path):
     proc = run_cli("bench.report", f"dir={tmp_path / 'none'}", cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()

@@ -32,12 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from med_ddpm.gate import json_safe
 from med_ddpm.model import INPUT_CONV
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import gate_model
 from med_ddpm.stats import per_sample_fit
-from med_ddpm.utils import atomic_write_text, resolve_device
+from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
 
 GROUPS: dict[str, Callable[[str, nn.Module], bool]] = {
     "groupnorm": lambda name, m: isinstance(m, nn.GroupNorm),

@@ -35,12 +35,18 @@ def test_ddp_bench_writes_a_scaling_row(tmp_path):
 def test_rows_record_recipe_options_and_baselines_match_them(tmp_path):
     """Two stacks that differ only in an option are two workloads; a row from before options were recorded
     is the baseline of a stack without options only."""
-    from bench.ddp import base_row, baseline_volumes_per_s, compose_config
-    from bench.records import append_row
+    from hydra import compose
 
-    plain_cfg, model = compose_config([*SMALL, "recipe=[fused_adam]"], tmp_path)
-    device_cfg, _ = compose_config([*SMALL, "recipe=[fused_adam]", "recipe.fused_adam.guard=device"], tmp_path)
-    plain, guarded = base_row(plain_cfg, model, 1), base_row(device_cfg, model, 1)
+    from bench.ddp import base_row, baseline_volumes_per_s
+    from bench.records import append_row
+    from med_ddpm import cli
+
+    with cli.configs():
+        plain_cfg, device_cfg = (compose("ddp", overrides=[*SMALL, "recipe=[fused_adam]", *extra])
+                                 for extra in ([], ["recipe.fused_adam.guard=device"]))
+        plain, guarded = base_row(plain_cfg, "tiny", 1), base_row(device_cfg, "tiny", 1)
+    assert plain["scenario"] == "ddp_train_step" and plain["world_size"] == 1 and plain["grad_accum"] == 1
+    assert plain["batch_size"] == plain_cfg.train.batch_size and plain["sampler"] is None and plain["message"] == ""
     assert plain["recipe_options"] == [] and guarded["recipe_options"] == ['fused_adam.guard="device"']
     old = {k: v for k, v in plain.items() if k != "recipe_options"}  # a row written before this field existed
     append_row(tmp_path / "results.jsonl", old | {"status": "ok", "volumes_per_s": 3.0})

@@ -168,3 +168,23 @@ def test_cpu_profile_end_to_end_has_categories_and_no_gpu_timeline(tmp_path):
     record = json.loads(record_path.read_text())
     assert record["timeline"] is None and record["categories_ms"]["convolution"] > 0
     assert "GPU timeline" not in (tmp_path / "profile.md").read_text() and (tmp_path / "profile_breakdown.png").exists()
+
+
+def test_profile_ncu_reads_ncu_through_bench_ncu(tmp_path, monkeypatch):
+    """bench.profile's ncu table: bench.ncu runs ncu and reads its raw page (units applied, n/a blank)."""
+    from bench import ncu, profile
+
+    page = ('==PROF== Disconnected\n"ID","Kernel Name","gpu__time_duration.sum","smsp__inst_executed.sum"\n'
+            '"","","usecond","Kinst"\n"0","triton_poi_fused_0","1.5","2,000"\n"1","k2","n/a","3"\n')
+    commands = []
+    monkeypatch.setattr(ncu, "run", lambda cmd, timeout_s, log_path: commands.append(cmd) or ncu.Run(page, 0, 1.0))
+    cfg = {"profile": {"ncu_metrics": ["gpu__time_duration.sum"], "ncu_kernels": 1, "ncu_launches": 2,
+                       "ncu_timeout_s": 5}, "bench": {}}
+    record = {"label": "fp32", "scenario": "denoise_step", "top": [{"name": "triton_poi_fused_0"}]}
+    record["ncu"] = profile.run_ncu(cfg, record, tmp_path)
+    assert commands[0][commands[0].index("--kernel-name") + 1] == "regex:triton_poi_fused_0"
+    assert [r["gpu__time_duration.sum"] for r in record["ncu"]] == [1500.0, None]
+    assert "| `triton_poi_fused_0` | 1500 | 2e+06 |" in profile.ncu_markdown(record)
+    monkeypatch.setattr(ncu, "run", lambda cmd, timeout_s, log_path: ncu.Run("", None, 5.0))
+    with pytest.raises(TimeoutError, match="profile.ncu_timeout_s=5"):
+        profile.run_ncu(cfg, record, tmp_path)

@@ -25,7 +25,7 @@ from med_ddpm.data import (
     load_condition,
     medddpm_slice_minmax,
 )
-from med_ddpm.errors import DataError
+from med_ddpm.errors import ConfigError, DataError
 from med_ddpm.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
 
 REPO = Path(__file__).resolve().parents[2]
@@ -265,7 +265,7 @@ def test_brats_memory_cache_keeps_every_modality(tmp_path):
 
 
 def test_option_errors_name_the_key(good_root):
-    with pytest.raises(ValueError, match="data.intensity='zscore'"):
+    with pytest.raises(ConfigError, match="^data.intensity='zscore': unknown value; pass one of volume_minmax, "):
         WholeHeadDataset(good_root, SIZE, intensity="zscore")
     with pytest.raises(ValueError, match="data.cache_dir"):
         WholeHeadDataset(good_root, SIZE, cache="disk")
