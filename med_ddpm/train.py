@@ -139,7 +139,9 @@ def build(cfg: DictConfig) -> Job:
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
     stack.require_training(cfg.train.grad_accum)
-    net = build_model(cfg.model).to(device)
+    with as_config_error("model", "see configs/model/ for valid settings", errors=(ValueError, TypeError)):
+        net = build_model(cfg.model)  # the U-Net checks its own options (e.g. num_heads divides the channels)
+    net = net.to(device)
     rank0 = distributed.is_main()
     ema = new_ema(net, cfg.train.ema_decay) if rank0 else None
     seed_everything(cfg.seed + distributed.rank())  # per-rank dropout masks
