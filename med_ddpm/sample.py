@@ -305,4 +305,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, teardown=False)  # every file is written and closed when main returns
