@@ -27,11 +27,13 @@ shows the full traceback of every error, user errors included.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -137,17 +139,39 @@ def entry(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
     return wrapped
 
 
-def run(main: Callable[[], Any]) -> None:
-    """Call a ``@hydra.main`` entry point; a config error ends in one stderr line and exit status 2."""
+def run(main: Callable[[], Any], *, teardown: bool = True) -> None:
+    """Call a ``@hydra.main`` entry point; a config error ends in one stderr line and exit status 2.
+
+    ``teardown=False`` ends a successful run with :func:`exit_without_teardown`: for a command whose
+    results are all written and closed when ``main`` returns.
+    """
     if full_error():
         main()
+    else:
+        os.environ.update({"HYDRA_FULL_ERROR": "1", _SET_BY_RUN: "1"})  # Hydra re-raises a composition error
+        try:
+            main()
+        except Exception as err:
+            _report(err)
+            raise
+    if not teardown:
+        exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """Exit with status 0 now: run the ``atexit`` handlers and flush, then skip the interpreter's teardown.
+
+    Python's normal exit then frees every object and module one by one, and the CUDA driver destroys the
+    context; after sampling that takes seconds and writes nothing (the OS reclaims the memory either way).
+    The ``atexit`` handlers still run (logging flushes and closes its files, torch stops its compile
+    workers). With a non-daemon thread still alive this returns instead, so the normal exit waits for it.
+    """
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return
-    os.environ.update({"HYDRA_FULL_ERROR": "1", _SET_BY_RUN: "1"})  # Hydra re-raises a composition error
-    try:
-        main()
-    except Exception as err:
-        _report(err)
-        raise
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def output_dir(cfg: DictConfig) -> Path:

@@ -14,6 +14,10 @@ fails at start-up with the file's name instead of hours into training. Items are
 ``{"image": (C_img, D, H, W) float32 in [-1, 1], "cond": (C_mask, D, H, W) float32, "name": str}`` in the
 original's axis order: model[c, d, h, w] = nifti[w, h, d, c] (spatial axes fully reversed), so original
 Med-DDPM checkpoints see what they were trained on.
+
+MONAI is imported inside the functions that build transforms and datasets: ``import monai`` imports every
+MONAI submodule (scipy and matplotlib with them), which a command that only checks its options or prints
+its config does not need.
 """
 
 from __future__ import annotations
@@ -26,28 +30,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nibabel as nib
 import numpy as np
 import torch
-from monai.data import CacheDataset, MetaTensor, PersistentDataset
-from monai.data import Dataset as MonaiDataset
-from monai.data.image_reader import NibabelReader
-from monai.transforms import (
-    AsDiscrete,
-    Compose,
-    Lambda,
-    Lambdad,
-    LoadImaged,
-    Resized,
-    ResizeWithPadOrCropd,
-    ScaleIntensityd,
-    Transposed,
-)
 from torch.utils.data import Dataset
 
 from med_ddpm.errors import ConfigError, DataError, check_one_of
+
+if TYPE_CHECKING:
+    from monai.transforms import Compose
 
 INTENSITY_MODES = ("volume_minmax", "medddpm_slice_minmax", "none")
 RESIZE_MODES = ("crop_or_pad", "resample")
@@ -100,8 +93,12 @@ def get_variant(name: str) -> Variant:
 
 
 def plain_tensor(x: Any) -> torch.Tensor:
-    """A plain ``torch.Tensor`` (MONAI's MetaTensor metadata dropped: items must collate and pickle cheaply)."""
-    return x.as_tensor() if isinstance(x, MetaTensor) else torch.as_tensor(x)
+    """A plain ``torch.Tensor`` (MONAI's MetaTensor metadata dropped: items must collate and pickle cheaply).
+
+    ``as_subclass`` is what ``MetaTensor.as_tensor`` calls; it is used here so that checking for a MetaTensor
+    does not import MONAI.
+    """
+    return x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else torch.as_tensor(x)
 
 
 def labels_to_cond(labels: torch.Tensor, variant: Variant) -> torch.Tensor:
@@ -110,6 +107,8 @@ def labels_to_cond(labels: torch.Tensor, variant: Variant) -> torch.Tensor:
     Channel k-1 holds label k; background has no channel. Whole-head channels are mapped by x*2-1 to
     {-1, 1} as in the original ``dataset.py`` (``full_channel_mask=True``); BraTS channels stay in {0, 1}.
     """
+    from monai.transforms import AsDiscrete
+
     onehot = AsDiscrete(to_onehot=len(variant.labels))(plain_tensor(labels).reshape(1, *labels.shape[-3:]))
     cond = plain_tensor(onehot)[1:].float()
     return (cond * 2 - 1 if variant.signed_cond else cond).contiguous()
@@ -363,6 +362,8 @@ def validate_case(case: Case, variant: Variant, intensity: str, seg_labels: str 
 
 
 def _intensity_step(intensity: str) -> list[Callable]:
+    from monai.transforms import Lambdad, ScaleIntensityd
+
     check_one_of("data.intensity", intensity, INTENSITY_MODES)
     if intensity == "volume_minmax":  # each modality on its own, like the original BraTS preprocessing
         return [ScaleIntensityd("image", minv=-1.0, maxv=1.0, channel_wise=True)]
@@ -376,6 +377,8 @@ def _resize_steps(keys: Sequence[str], image_size: Sequence[int], resize_mode: s
 
     Images are padded with -1, the background value after scaling; masks with label 0.
     """
+    from monai.transforms import Resized, ResizeWithPadOrCropd
+
     check_one_of("data.resize_mode", resize_mode, RESIZE_MODES)
     size = tuple(int(s) for s in image_size)
     if resize_mode == "resample":
@@ -404,6 +407,9 @@ def build_transforms(variant: Variant, image_size: Sequence[int], *, intensity: 
     Load (channel first) -> reverse spatial axes to the original's model order -> scale intensities ->
     BraTS raw-label remapping (needs the scaled t1) -> crop/pad or resample -> one-hot condition.
     """
+    from monai.data.image_reader import NibabelReader
+    from monai.transforms import Compose, Lambda, LoadImaged, Transposed
+
     keys = list(keys)
     reader = NibabelReader(squeeze_non_spatial_dims=True)
     steps: list[Callable] = [
@@ -526,6 +532,9 @@ def resolve_cache(cache: str, num_items: int, variant: Variant, image_size: Sequ
 
 
 def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_dir: str | Path | None) -> Dataset:
+    from monai.data import CacheDataset, PersistentDataset
+    from monai.data import Dataset as MonaiDataset
+
     if cache == "memory":
         return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching mixed up a BraTS case's 4 image files
     if cache == "disk":

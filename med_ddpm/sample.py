@@ -229,6 +229,8 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
     volume_s = []
     levels = len(job.loaded.model.config["channel_mult"])
     for index, name, cond, nifti in prefetched(conditions(cfg, variant, size, resize_mode, levels)):
+        if not volume_s:
+            clock.mark("first_mask_ready")  # the first mask read and preprocessed; MONAI imported for it
         start = time.perf_counter()
         c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
         generator = distributed.keyed_generator(job.device, cfg.seed, index)
@@ -305,4 +307,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, teardown=False)  # every file is written and closed when main returns

@@ -12,13 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import nibabel as nib
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from monai.transforms import Resize
 
 from med_ddpm.errors import DataError
 from med_ddpm.utils import atomic_write, save_figure
@@ -46,6 +42,8 @@ def _to_reference_grid(volume: torch.Tensor, shape: tuple[int, ...] | None, resi
         raise DataError(f"volume shape {tuple(volume.shape[1:])} (model D, H, W) does not match the reference "
                         f"grid {target}; pass resize_mode='crop_or_pad' or 'resample' to map it back")
     if resize_mode == "resample":
+        from monai.transforms import Resize  # imports all of MONAI: only this mode needs it
+
         return torch.as_tensor(Resize(target, mode="trilinear")(volume))
     return invert_crop_or_pad(torch.as_tensor(volume), target, pad_value)
 
@@ -130,7 +128,12 @@ def save_montage_png(image: torch.Tensor, cond: torch.Tensor, out_path: str | Pa
     """PNG of mid-slices in three orientations: each image channel, then that channel with the mask overlaid.
 
     Uses a bare Agg ``Figure`` (no pyplot global state), so it is safe in training loops and worker threads.
+    Matplotlib is imported here, on the first montage, not when the CLI starts.
     """
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     img = torch.as_tensor(image).detach().cpu().float().numpy()
     labels = cond_to_labels(cond)
     names = list(channel_names or [f"ch{c}" for c in range(img.shape[0])])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -169,6 +170,8 @@ def test_sample_cli_writes_nifti_with_the_mask_affine(trained, shared_dir, tmp_p
     np.testing.assert_array_equal(out.affine, ref.affine)
     assert out.shape == ref.shape and np.isfinite(out.get_fdata()).all()
     assert (tmp_path / "sample_1.png").stat().st_size > 1000
+    marks = json.loads((tmp_path / "timings.json").read_text())
+    assert marks["model_ready_s"] <= marks["first_mask_ready_s"] <= marks["first_volume_done_s"]
 
 
 def test_sample_loads_what_train_saved(trained):

@@ -1,0 +1,60 @@
+"""Process start and exit of the CLIs: what importing them loads, and ending a run without teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("monai", "matplotlib", "scipy.signal", "scipy.stats")  # MONAI imports all of these with itself
+
+
+def python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_importing_the_clis_leaves_monai_and_its_scipy_and_matplotlib_out(tmp_path):
+    done = python(f"""
+        import sys
+        import med_ddpm.sample, med_ddpm.train
+        print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})))
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_run_without_teardown_runs_atexit_flushes_and_exits_zero(tmp_path):
+    done = python("""
+        import atexit
+        from pathlib import Path
+        from med_ddpm import cli
+
+        def main():
+            atexit.register(Path("atexit.txt").write_text, "ran")
+            print("result")  # stdout is a pipe here: block-buffered until flushed
+
+        cli.run(main, teardown=False)
+        print("after run")
+    """, tmp_path)
+    assert (done.returncode, done.stdout) == (0, "result\n"), done.stderr
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+
+
+def test_a_live_non_daemon_thread_gets_the_normal_exit(tmp_path):
+    done = python("""
+        import threading, time
+        from med_ddpm import cli
+
+        def main():
+            threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+
+        cli.run(main, teardown=False)
+        print("after run")
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["after run", "thread done"]
