@@ -198,7 +198,7 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
         row.update(status="oom" if OOM_PATTERN.search(tail) else "error", message=f"{why}; log tail:\n{tail}")
         return row
     row.update(sample_split(timings) if own["scenario"] == "e2e_sample" else train_split(timings))
-    row["exit_s"] = round(wall - timings["total_s"], 4)  # interpreter teardown after the command's last mark
+    row["exit_s"] = round(wall - timings["total_s"], 4)  # from the command's last mark to the end of its process
     return row
 
 
