@@ -7,32 +7,27 @@ Example:
 
 Every metric is cumulative (``update`` over batches, ``compute`` once, ``reset``), declares
 ``name`` and ``higher_is_better``, and takes the candidate first and the reference second:
-MONAI mixes ``(y_pred, y)`` (SSIM, PSNR, FID) and ``(y, y_pred)`` (MMD); the wrappers here
-hide that. Data are Med-DDPM's [-1, 1] volumes, so ``data_range`` defaults to 2.
+MONAI's own metrics take ``(y_pred, y)``; the wrappers keep that order and add regions. Data are
+Med-DDPM's [-1, 1] volumes, so ``data_range`` defaults to 2.
 
-Three families:
+Two families of paired metrics:
 
-* paired voxel metrics (PSNR, MAE, max error, non-finite count), optionally restricted to a
-  region of the conditioning mask (``region="brain" | "tumour"`` or an explicit ``mask``);
-* paired structural metrics (3-D SSIM, 3-D MS-SSIM), whole volume;
-* set metrics (MMD, FID, KID, intensity-histogram W1, sample diversity) that compare the
-  *distributions* of all samples seen, not sample pairs.
+* voxel metrics (PSNR, MAE, max error), optionally restricted to a region of the conditioning
+  mask (``region="brain" | "tumour"`` or an explicit ``mask``);
+* structural metrics (3-D SSIM, 3-D MS-SSIM), whole volume.
 
-Configs in ``configs/metric/*.yaml`` nest each metric under its own key with a ``_target_``;
-:func:`build_metrics` instantiates the selection.
+:func:`frechet_distance` is FID's distance between feature sets. The set comparisons with their
+permutation nulls (KID, MMD, histogram W1, diversity gap) are in :mod:`med_ddpm.stats`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
-from monai.metrics import MAEMetric, MMDMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
-
-from med_ddpm.features import FeatureExtractor, RandomConv3dFeatures
+from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
 DATA_RANGE = 2.0  # Med-DDPM volumes live in [-1, 1]
 # Wang, Simoncelli & Bovik 2003, Table 1: the 5-scale MS-SSIM exponents.
@@ -96,7 +91,6 @@ class VolumeMetric:
     name: str
     higher_is_better: ClassVar[bool]
     supports_mask: ClassVar[bool] = False
-    needs_target: ClassVar[bool] = True
 
     def update(self, pred: torch.Tensor, target: torch.Tensor | None = None, *,
                cond: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
@@ -111,13 +105,13 @@ class VolumeMetric:
     def _check(self, pred, target, mask) -> tuple[torch.Tensor, torch.Tensor | None]:
         if mask is not None and not self.supports_mask:
             raise ValueError(f"{self.name}: this metric has no in-mask variant; do not pass mask=")
-        if self.needs_target and target is None:
+        if target is None:
             raise ValueError(f"{self.name}: needs a target (reference) volume")
         return _as_volumes(self.name, pred, target)
 
 
 class _PerSampleMetric(VolumeMetric):
-    """One value per sample, reduced over every sample seen (``mean``, ``max`` or ``sum``).
+    """One value per sample, reduced over every sample seen (``mean`` or ``max``).
 
     With a region, samples whose region is empty contribute nothing (a volume with no
     tumour has no in-tumour PSNR); ``compute`` is NaN if no sample contributed.
@@ -152,7 +146,7 @@ class _PerSampleMetric(VolumeMetric):
         values = self.per_sample()
         if values.numel() == 0:
             return math.nan
-        return float({"mean": values.mean, "max": values.max, "sum": values.sum}[self.reduction]())
+        return float({"mean": values.mean, "max": values.max}[self.reduction]())
 
     def _per_sample(self, pred, target, mask) -> torch.Tensor:
         """(B,) values; ``mask`` is None (whole volume) or a bool tensor shaped like pred."""
@@ -217,19 +211,6 @@ class MaxAbsError(_PerSampleMetric):
         return err.flatten(1).amax(1)
 
 
-class NonFiniteCount(_PerSampleMetric):
-    """Number of NaN/inf voxels in pred (target unused); any non-zero count is a broken sample."""
-
-    base_name, higher_is_better, supports_mask, reduction = "nonfinite", False, True, "sum"
-    needs_target = False
-
-    def _per_sample(self, pred, target, mask):
-        bad = ~torch.isfinite(pred)
-        if mask is not None:
-            bad = bad & mask
-        return bad.flatten(1).sum(1).double()
-
-
 class SSIM(_PerSampleMetric):
     """3-D SSIM (Wang et al. 2004), Gaussian window 7³ like MS-SSIM (MONAI ``SSIMMetric(spatial_dims=3)``).
 
@@ -275,162 +256,6 @@ class MSSSIM(_PerSampleMetric):
         return monai(pred - self.data_min, target - self.data_min).view(-1)
 
 
-class Diversity(VolumeMetric):
-    """Mean pairwise MS-SSIM between samples generated for the same mask (pred only).
-
-    Samples in a batch are grouped by identical ``cond`` (all one group when cond is None);
-    every pair inside a group contributes. Lower means more diverse; a sampler that
-    collapses modes scores higher than the reference. The gate compares it with the
-    reference's own value rather than optimising it.
-    """
-
-    name, higher_is_better, needs_target = "diversity", False, False
-
-    def __init__(self, data_range: float = DATA_RANGE, data_min: float = -1.0, kernel_size: int = 7):
-        self._pair = MSSSIM(data_range=data_range, data_min=data_min, kernel_size=kernel_size)
-        self.reset()
-
-    def reset(self) -> None:
-        self._pair.reset()
-
-    def update(self, pred, target=None, *, cond=None, mask=None) -> None:
-        pred, _ = self._check(pred, None, mask)
-        groups = _groups_by_cond(cond, len(pred))
-        pairs = [p for g in groups for p in itertools.combinations(g, 2)]
-        if pairs:
-            i, j = map(list, zip(*pairs))
-            self._pair.update(pred[i], pred[j])
-
-    def compute(self) -> float:
-        return self._pair.compute()
-
-
-def _groups_by_cond(cond: torch.Tensor | None, n: int) -> list[list[int]]:
-    """Indices of samples that share an identical conditioning mask."""
-    if cond is None:
-        return [list(range(n))]
-    groups: list[list[int]] = []
-    for i in range(n):
-        for g in groups:
-            if torch.equal(cond[g[0]], cond[i]):
-                g.append(i)
-                break
-        else:
-            groups.append([i])
-    return groups
-
-
-class HistogramDistance(VolumeMetric):
-    """Wasserstein-1 distance between the intensity histograms of all pred and all target voxels.
-
-    W1 = ∫ |CDF_pred − CDF_target| dx (Villani 2009; for 1-D distributions it is the area
-    between the CDFs). Values are clamped into ``value_range`` so no mass is lost, and
-    non-finite voxels are left out (count them with :class:`NonFiniteCount`). Same units as
-    the intensities; 0 for identical histograms.
-    """
-
-    name, higher_is_better, supports_mask = "histogram_w1", False, True
-
-    def __init__(self, bins: int = 256, value_range: Sequence[float] = (-1.0, 1.0),
-                 region: str | None = None, cond_layout: str = "whole_head"):
-        self.bins, self.lo, self.hi = bins, float(value_range[0]), float(value_range[1])
-        self.region, self.cond_layout = region, cond_layout
-        if region is not None:
-            self.name = f"histogram_w1_{region}"
-        self.reset()
-
-    def reset(self) -> None:
-        self._counts = [torch.zeros(self.bins, dtype=torch.float64) for _ in range(2)]
-
-    def update(self, pred, target=None, *, cond=None, mask=None) -> None:
-        pred, target = self._check(pred, target, mask)
-        mask = _resolve_mask(self, pred, cond, mask)
-        for k, x in enumerate((pred, target)):
-            keep = torch.isfinite(x) if mask is None else torch.isfinite(x) & mask
-            vals = x[keep].clamp(self.lo, self.hi)
-            self._counts[k] += torch.histc(vals, self.bins, self.lo, self.hi).double().cpu()
-
-    def compute(self) -> float:
-        p, q = (c / c.sum() for c in self._counts)
-        width = (self.hi - self.lo) / self.bins
-        return float((p.cumsum(0) - q.cumsum(0)).abs().sum() * width)
-
-
-class _SetMetric(VolumeMetric):
-    """Accumulates an embedding of every pred and target sample; compares the two sets at the end."""
-
-    def reset(self) -> None:
-        self._sets: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-
-    def update(self, pred, target=None, *, cond=None, mask=None) -> None:
-        pred, target = self._check(pred, target, mask)
-        for store, x in zip(self._sets, (pred, target)):
-            store.append(self._embed(x).detach().double().cpu())
-
-    def compute(self) -> float:
-        pred, target = (torch.cat(s) if s else torch.empty(0) for s in self._sets)
-        if len(pred) < 2 or len(target) < 2:
-            raise ValueError(f"{self.name}: needs at least 2 pred and 2 target samples, got {len(pred)} and {len(target)}")
-        return float(self._distance(pred, target))
-
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        return x.flatten(1)
-
-    def _distance(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class MMD(_SetMetric):
-    """Unbiased linear-kernel MMD² on raw voxels (Gretton et al. 2012, eq. 3; MONAI ``MMDMetric``).
-
-    Being unbiased, the estimate can be negative (about −mean‖x‖²/N for two draws of one
-    distribution); compare it with the seed-to-seed floor, never with 0.
-    """
-
-    name, higher_is_better = "mmd", False
-
-    def __init__(self):
-        self._monai = MMDMetric()
-        self.reset()
-
-    def _distance(self, pred, target):
-        if pred.shape != target.shape:
-            raise ValueError(f"mmd: MONAI's MMD needs as many pred as target samples, got {len(pred)} and {len(target)}")
-        return self._monai(target, pred)  # MONAI's order is (y, y_pred)
-
-
-class _FeatureSetMetric(_SetMetric):
-    """A set metric over the features of a pluggable :class:`FeatureExtractor`."""
-
-    def __init__(self, extractor: FeatureExtractor | None = None):
-        self.extractor = extractor if extractor is not None else RandomConv3dFeatures()
-        self.reset()
-
-    def _embed(self, x):
-        return self.extractor.to(x.device)(x)
-
-    def describe(self) -> dict[str, Any]:
-        return {"metric": self.name, "extractor": self.extractor.describe()}
-
-
-class FID(_FeatureSetMetric):
-    """Fréchet distance between Gaussians fitted to pred and target features (Heusel et al. 2017)."""
-
-    name, higher_is_better = "fid", False
-
-    def _distance(self, pred, target):
-        return frechet_distance(pred, target)
-
-
-class KID(_FeatureSetMetric):
-    """Kernel inception distance: unbiased MMD² with the cubic polynomial kernel (Bińkowski et al. 2018)."""
-
-    name, higher_is_better = "kid", False
-
-    def _distance(self, pred, target):
-        return kernel_distance(pred, target)
-
-
 def _psd_sqrt(m: torch.Tensor) -> torch.Tensor:
     """Square root of a symmetric PSD matrix through ``eigh`` (negative round-off eigenvalues -> 0)."""
     vals, vecs = torch.linalg.eigh((m + m.T) / 2)
@@ -456,37 +281,3 @@ def frechet_distance(feats_a: torch.Tensor, feats_b: torch.Tensor) -> torch.Tens
     fid = (mu_a - mu_b).square().sum() + cov_a.trace() + cov_b.trace() - 2 * tr_covmean
     return fid.clamp_min(0)  # >= 0 exactly; round-off of equal sets can land a hair below
 
-
-def kernel_distance(feats_a: torch.Tensor, feats_b: torch.Tensor) -> torch.Tensor:
-    """Unbiased MMD² with k(x, y) = (x·y / d + 1)³ over all samples (Bińkowski et al. 2018, eq. 4)."""
-    a, b = feats_a.double(), feats_b.double()
-    d, m, n = a.shape[1], len(a), len(b)
-    k_aa, k_bb, k_ab = ((x @ y.T / d + 1) ** 3 for x, y in ((a, a), (b, b), (a, b)))
-    off_diag = lambda k: k.sum() - k.diagonal().sum()  # noqa: E731
-    return off_diag(k_aa) / (m * (m - 1)) + off_diag(k_bb) / (n * (n - 1)) - 2 * k_ab.mean()
-
-
-METRICS: dict[str, Callable[..., VolumeMetric]] = {
-    "psnr": PSNR, "mae": MAE, "max_error": MaxAbsError, "nonfinite": NonFiniteCount,
-    "ssim": SSIM, "ms_ssim": MSSSIM, "diversity": Diversity, "histogram_w1": HistogramDistance,
-    "mmd": MMD, "fid": FID, "kid": KID,
-}
-
-
-def build_metric(name: str, **kwargs: Any) -> VolumeMetric:
-    """Instantiate a metric from the :data:`METRICS` registry by name."""
-    if name not in METRICS:
-        raise ValueError(f"unknown metric {name!r}; known: {sorted(METRICS)}")
-    return METRICS[name](**kwargs)
-
-
-def build_metrics(cfg: Mapping | None) -> dict[str, VolumeMetric]:
-    """Instantiate the ``metric`` config group (multi-select: one ``_target_`` node per key)."""
-    from hydra.utils import instantiate
-
-    metrics = {}
-    for key, node in (cfg or {}).items():
-        if not isinstance(node, Mapping) or "_target_" not in node:
-            raise ValueError(f"metric config {key!r}: expected a node with a _target_, got {node!r}")
-        metrics[key] = instantiate(node)
-    return metrics

@@ -1,40 +1,25 @@
 """Metrics on known inputs: perfect scores for identical volumes, closed forms for known perturbations."""
 
 import math
-from pathlib import Path
 
 import pytest
 import scipy.linalg
 import torch
-from hydra import compose, initialize_config_dir
-from monai.metrics.mmd import compute_mmd
 from monai.networks.nets import resnet10
 
 from med_ddpm.errors import CheckpointError
 from med_ddpm.features import MedicalNetFeatures, RandomConv3dFeatures
 from med_ddpm.metrics import (
-    FID,
-    KID,
     MAE,
-    METRICS,
-    MMD,
     MSSSIM,
     PSNR,
     SSIM,
-    Diversity,
-    HistogramDistance,
     MaxAbsError,
-    NonFiniteCount,
     VolumeMetric,
-    build_metric,
-    build_metrics,
     frechet_distance,
-    kernel_distance,
     ms_ssim_weights,
     region_mask,
 )
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _value(metric: VolumeMetric, pred, target=None, **kw) -> float:
@@ -63,7 +48,6 @@ def cond():
 
 @pytest.mark.parametrize("metric, perfect", [
     (PSNR(), math.inf), (SSIM(), 1.0), (MSSSIM(), 1.0), (MAE(), 0.0), (MaxAbsError(), 0.0),
-    (HistogramDistance(), 0.0),
 ])
 def test_identical_volumes_score_perfectly(metric, perfect, vols):
     assert _value(metric, vols, vols.clone()) == pytest.approx(perfect, abs=1e-6)
@@ -110,6 +94,8 @@ def test_region_errors_are_clear(vols, cond):
         region_mask(cond, "skull")
     with pytest.raises(ValueError, match="differ in shape"):
         MAE().update(vols, vols[:1])
+    with pytest.raises(ValueError, match="needs a target"):
+        MAE().update(vols)
 
 
 def test_brats_layout_reads_four_channel_masks():
@@ -119,12 +105,11 @@ def test_brats_layout_reads_four_channel_masks():
     assert region_mask(c, "brain", "brats").sum() == 33 and region_mask(c, "tumour", "brats").sum() == 1
 
 
-def test_nonfinite_count(vols):
+def test_a_broken_sample_is_never_averaged_away(vols):
     pred = vols.clone()
     pred[0, 0, 0, 0, :3] = math.nan
-    pred[1, 0, 1, 1, :2] = math.inf
-    assert _value(NonFiniteCount(), pred) == 5
-    assert math.isnan(_value(PSNR(), pred, vols))  # a broken sample is never averaged away
+    assert math.isnan(_value(PSNR(), pred, vols)) and math.isnan(_value(MAE(), pred, vols))
+    assert math.isnan(float(frechet_distance(pred.flatten(1), vols.flatten(1))))
 
 
 def test_ms_ssim_scales_for_paper_and_tiny_volumes():
@@ -157,47 +142,11 @@ def test_frechet_distance_matches_scipy_sqrtm():
     assert float(frechet_distance(a, b)) == pytest.approx(ref, rel=1e-7)
 
 
-def test_kid_is_near_zero_for_one_distribution_and_positive_for_two():
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.randn(300, 8, generator=g), torch.randn(300, 8, generator=g)
-    same, different = float(kernel_distance(a, b)), float(kernel_distance(a, b + 1.0))
-    assert abs(same) < 0.02 and different > 1.0
-
-
-def test_feature_metrics_on_volumes(vols):
-    fid, kid = FID(), KID()
-    assert _value(fid, vols, vols.clone()) == pytest.approx(0.0, abs=1e-7)
-    assert _value(fid, vols, vols + 0.3) > 1e-4
-    assert _value(kid, vols, vols + 0.3) > _value(kid, vols, vols.clone())
-    assert "relative metric only" in fid.extractor.name
-    with pytest.raises(ValueError, match="at least 2"):
-        _value(FID(), vols[:1], vols[:1])
-
-
-def test_mmd_wraps_monai_with_pred_first(vols):
-    pred, target = vols[:, :, :8], torch.cat([vols[:, :, 8:], vols[:1, :, 8:] + 0.5])[:2]
-    expected = float(compute_mmd(y=target.flatten(1).double(), y_pred=pred.flatten(1).double(), y_mapping=None))
-    assert _value(MMD(), pred, target) == pytest.approx(expected, rel=1e-9)
-
-
-def test_diversity_is_one_for_identical_samples_and_groups_by_mask(vols, cond):
-    same = vols[:1].expand(3, -1, -1, -1, -1)
-    assert _value(Diversity(), same) == pytest.approx(1.0, abs=1e-6)
-    assert _value(Diversity(), vols) < 0.5  # independent uniform noise
-    # two samples with different masks form no pair: nothing to measure
-    assert math.isnan(_value(Diversity(), vols, cond=cond))
-
-
-def test_histogram_w1_equals_shift():
-    g = torch.Generator().manual_seed(4)
-    x = torch.rand(1, 1, 32, 32, 32, generator=g) - 0.5
-    assert _value(HistogramDistance(bins=400), x + 0.25, x) == pytest.approx(0.25, abs=0.01)
-
-
 def test_random_features_are_seeded_and_leave_global_rng_alone(vols):
     state = torch.random.get_rng_state()
     f1, f2 = RandomConv3dFeatures(seed=0), RandomConv3dFeatures(seed=0)
     assert torch.equal(torch.random.get_rng_state(), state)
+    assert "relative metric only" in f1.name  # a random CNN's FID / KID compare runs, never papers
     assert torch.equal(f1(vols), f2(vols)) and not torch.equal(f1(vols), RandomConv3dFeatures(seed=1)(vols))
     assert f1(vols.expand(-1, 3, -1, -1, -1)).shape == (2, 3 * 240)  # per-channel features, concatenated
 
@@ -216,22 +165,3 @@ def test_medicalnet_loads_released_layout(tmp_path, vols):
     torch.save({"state_dict": {"conv1.weight": torch.zeros(1)}}, tmp_path / "bad.pth")
     with pytest.raises(CheckpointError, match="keys do not match"):
         MedicalNetFeatures(tmp_path / "bad.pth")
-
-
-def test_every_metric_config_composes_and_instantiates(vols, cond):
-    names = sorted(p.stem for p in (CONFIGS / "metric").glob("*.yaml"))
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name=None, overrides=[f"+metric=[{','.join(names)}]"])
-    metrics = build_metrics(cfg.metric)
-    assert sorted(metrics) == names
-    for key, metric in metrics.items():
-        assert isinstance(metric, VolumeMetric) and metric.name == key
-        metric.update(vols, vols.clone(), cond=cond)
-        assert isinstance(metric.compute(), float)
-
-
-def test_registry_builds_by_name():
-    assert set(METRICS) >= {"psnr", "ssim", "ms_ssim", "mmd", "fid", "kid", "diversity", "histogram_w1"}
-    assert build_metric("psnr", region="brain").name == "psnr_brain"
-    with pytest.raises(ValueError, match="unknown metric"):
-        build_metric("lpips")

@@ -4,6 +4,7 @@ nominal false-rejection rate under the null."""
 import numpy as np
 import pytest
 import torch
+from monai.metrics.mmd import compute_mmd
 from scipy.stats import binom
 
 from med_ddpm import stats
@@ -62,10 +63,31 @@ def test_identical_arms_give_p_one():
     assert stats.permutation_test(lambda b: stats.mmd2_unbiased(kernel, b), IS_B, STRATA, n_perm=100).p_value == 1.0
 
 
+def test_kid_is_near_zero_for_one_distribution_and_positive_for_two():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(300, 8, generator=g), torch.randn(300, 8, generator=g)
+    arms = np.r_[np.zeros(300, bool), np.ones(300, bool)]
+    same = stats.mmd2_unbiased(stats.polynomial_kernel(torch.cat([a, b])), arms)
+    different = stats.mmd2_unbiased(stats.polynomial_kernel(torch.cat([a, b + 1.0])), arms)
+    assert abs(same) < 0.02 and different > 1.0
+
+
+def test_linear_mmd_is_monais_mmd_per_voxel():
+    g = torch.Generator().manual_seed(5)
+    real, generated = torch.rand(3, 1, 4, 4, 4, generator=g), torch.rand(3, 1, 4, 4, 4, generator=g) + 0.5
+    expected = float(compute_mmd(y=real.flatten(1).double(), y_pred=generated.flatten(1).double(), y_mapping=None))
+    kernel = stats.linear_kernel(torch.cat([real, generated]))
+    assert stats.mmd2_unbiased(kernel, np.r_[np.zeros(3, bool), np.ones(3, bool)]) * 64 == pytest.approx(expected, rel=1e-9)
+
+
 def test_histogram_w1_of_a_shift_is_the_shift():
     a = torch.full((N, 1, 4, 4, 4), -0.5)
     hists = stats.intensity_histograms(torch.cat([a, a + 0.25]), bins=200)
     assert stats.histogram_w1(hists, IS_B, 2.0 / 200) == pytest.approx(0.25, abs=0.011)
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(1, 1, 32, 32, 32, generator=g) - 0.5  # a spread of intensities, not one bin
+    hists = stats.intensity_histograms(torch.cat([x, x + 0.25]), bins=400)
+    assert stats.histogram_w1(hists, np.array([False, True]), 2.0 / 400) == pytest.approx(0.25, abs=0.01)
 
 
 def test_pair_mean_gap_reads_within_arm_within_stratum_pairs():
