@@ -37,7 +37,7 @@ from med_ddpm.features import RandomConv3dFeatures
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import fixed_noise
 from med_ddpm.samplers import DDPMSampler, sample
-from med_ddpm.train import LOSS_LOG
+from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
 from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
@@ -82,15 +82,10 @@ def loss_curve(run: Path, images, conds, device) -> list[dict[str, Any]]:
 def training_loss(run: Path, windows: int = 10) -> list[dict[str, Any]]:
     """The run's logged training loss (``loss.jsonl``) as means over ``windows`` equal step ranges: the curve
     of the loss the optimizer saw, which a run without intermediate checkpoints still has."""
-    log = run / LOSS_LOG
-    if not log.is_file():
-        return []
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if isinstance(r.get("loss"), (int, float))]
-    size = max(1, -(-len(rows) // windows))
-    return [{"first_step": chunk[0]["step"], "last_step": chunk[-1]["step"],
-             "mean_loss": sum(r["loss"] for r in chunk) / len(chunk)}
-            for chunk in (rows[i:i + size] for i in range(0, len(rows), size))]
+    steps, losses = read_loss_log(run)
+    size = max(1, -(-len(steps) // windows))
+    return [{"first_step": steps[i], "last_step": steps[min(i + size, len(steps)) - 1],
+             "mean_loss": sum(losses[i:i + size]) / len(losses[i:i + size])} for i in range(0, len(steps), size)]
 
 
 def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, device: torch.device,

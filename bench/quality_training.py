@@ -43,7 +43,7 @@ from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.errors import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
-from med_ddpm.train import LOSS_LOG
+from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, save_figure
 
 REFERENCE = "fp32"
@@ -93,21 +93,6 @@ def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None) -
     return "done"
 
 
-def loss_curve(run: Path) -> tuple[list[int], list[float]]:
-    """(steps, losses) of a run's ``loss.jsonl``; a step logged twice (a resumed run) keeps its last line."""
-    path = run / LOSS_LOG
-    lines = path.read_text().splitlines() if path.exists() else []
-    by_step = {}
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a killed writer's last line
-            continue
-        by_step[int(record["step"])] = float(record["loss"])
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
-
-
 def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: str) -> dict[str, Any]:
     """Each run's mean loss over the last quarter of its logged steps, and the candidate's paired difference
     there (same steps, so the same samples, t and ε: the difference is the stack's alone)."""
@@ -146,7 +131,7 @@ def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
 
 def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: int) -> dict[str, Any]:
     """loss_curves.json / .png and training.json from the two finished runs."""
-    curves = {arm: loss_curve(runs / arm) for arm in commands}
+    curves = {arm: read_loss_log(runs / arm) for arm in commands}
     summary = compare_losses(curves, REFERENCE)
     atomic_write_text(out / "loss_curves.json", json.dumps(
         {"summary": summary, "curves": {arm: {"step": s, "loss": v} for arm, (s, v) in curves.items()}}, indent=1))

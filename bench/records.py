@@ -167,7 +167,7 @@ def provenance() -> dict[str, Any]:
     there is a ``.git``, else the edited stamp (dirty), else unknown.
 
     An unchanged stamp comes first because a copied tree can carry a ``.git`` whose HEAD is not the code it
-    holds (the device's copy did: the rows read an older commit, dirty). Asked afresh for every row (one
+    holds. Asked afresh for every row (one
     ``git`` call, milliseconds next to a benchmark job): a cached answer would outlive an edit or a commit
     made while a long-lived process (a Hydra multirun) keeps writing rows."""
     stamped = stamp_provenance()

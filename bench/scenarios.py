@@ -49,7 +49,7 @@ from bench.timing import (
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.quality import randomize_zero_init
-from med_ddpm.samplers import sample, sampler_calls, sampler_from_config
+from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.train import TrainState, new_ema, train_step
 from med_ddpm.utils import seed_everything
 from optim import RecipeConflictError, RecipeStack
@@ -153,8 +153,13 @@ def model_calls(cfg: Mapping) -> int:
     if scenario == "train_step":
         return int(cfg["train"]["grad_accum"])
     if scenario == "full_sample":
-        return sampler_calls(cfg["sampler"], int(cfg["diffusion"]["timesteps"]))
+        return sampler_calls(cfg)
     return 1
+
+
+def sampler_calls(cfg: Mapping[str, Any]) -> int:
+    """Model calls of one sample under ``cfg``'s sampler: one per timestep of the sampler it builds."""
+    return len(sampler_from_config(cfg["sampler"], NoiseSchedule.from_config(cfg["diffusion"])).timesteps)
 
 
 def batch_size(cfg: Mapping) -> int:

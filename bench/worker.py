@@ -34,10 +34,10 @@ import torch
 from omegaconf import OmegaConf
 
 from bench.records import MEASURED_FIELDS, provenance
-from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, batch_size, run_scenario
+from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, batch_size, run_scenario, sampler_calls
 from med_ddpm.quality import gate_from_config
 from med_ddpm.sample import CONFIG_DIR
-from med_ddpm.samplers import sampler_calls, sampler_options
+from med_ddpm.samplers import sampler_options
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 FAULTS = ("oom", "nan", "error", "segfault")  # bench.inject: test-only fault injection
@@ -105,7 +105,7 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
         "batch_size": batch_size(cfg),
         "grad_accum": int(cfg["train"]["grad_accum"]) if training else None,
         "sampler": sampler_label(cfg["sampler"]) if sampling else None,
-        "steps": sampler_calls(cfg["sampler"], int(cfg["diffusion"]["timesteps"])) if sampling else None,
+        "steps": sampler_calls(cfg) if sampling else None,
         "recipes": list(job["recipes"]),
         "recipe_options": list(job.get("recipe_options") or []),
         **dict.fromkeys(MEASURED_FIELDS),

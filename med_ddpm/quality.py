@@ -40,7 +40,7 @@ import torch
 
 from med_ddpm.errors import ConfigError
 from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun
-from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_calls, sampler_from_config
+from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
 from med_ddpm.utils import atomic_save, json_safe
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
@@ -201,7 +201,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     model, schedule = gate_model(cfg, checkpoint, seed)
     model, schedule = model.to(device).eval(), schedule.to(device)
     variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
-    q = {**(cfg.get("quality") or load_thresholds()), "cond_layout": variant}  # the masks are this variant's
+    q = {**load_thresholds(), **(cfg.get("quality") or {}), "cond_layout": variant}  # the masks are this variant's
     n = max(int(n_samples or 0), int(q["n_samples"]))
     cond = phantom_masks(n, int(q["n_masks"]), tuple(cfg["model"]["image_size"]), variant, seed).to(device)
     T = schedule.num_train_timesteps
@@ -219,7 +219,8 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
            "device": device.type, "checkpoint": _file_identity(checkpoint), "code": reference_code_digest()}
     reference = _cached(q.get("cache_dir"), key, strict_reference)
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
-    calls = max(T, sampler_calls(cfg.get("sampler") or {}, T))  # restart sampling can call more than T times
+    candidate_calls = len(sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule).timesteps)
+    calls = max(T, candidate_calls)  # restart sampling can call the model more than T times
     noise = fixed_noise(shape, calls, cand_seed, device) if q.get("trajectory", True) else None
     if other_net is not None:
         with RecipeStack([]).session():

@@ -114,3 +114,6 @@ class RestartSampler(Sampler):
         self.segment.set_timesteps(self.restart_steps + 1)  # a fresh chain from t_max
         jumped = math.sqrt(self.ratio) * out.prev_sample + math.sqrt(self.ratio * s**2 + 1 - self.ratio) * z
         return StepOutput(jumped, out.pred_x0)
+
+
+SAMPLERS["restart"] = RestartSampler

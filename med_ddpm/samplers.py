@@ -460,7 +460,7 @@ class DEISSampler(FewStepSampler):
         return StepOutput(prev, pred_x0)
 
 
-SAMPLERS: dict[str, type[Sampler]] = {  # and "restart" (med_ddpm.restart), which wraps the few-step ones
+SAMPLERS: dict[str, type[Sampler]] = {  # med_ddpm.restart adds "restart", which wraps the few-step ones
     "ddpm": DDPMSampler,
     "ddim": DDIMSampler,
     "dpm_solver_pp": DPMSolverPPSampler,
@@ -471,12 +471,11 @@ SAMPLERS: dict[str, type[Sampler]] = {  # and "restart" (med_ddpm.restart), whic
 def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, **kwargs) -> Sampler:
     """Sampler by config name, with its timesteps set (``steps`` defaults to T, or to the length of an
     explicit ``timesteps`` grid)."""
-    from med_ddpm.restart import RestartSampler  # it imports this module
+    import med_ddpm.restart  # noqa: F401  registers "restart" (it imports this module)
 
-    known = {**SAMPLERS, "restart": RestartSampler}
-    if name not in known:
-        raise ValueError(f"unknown sampler {name!r}; known: {sorted(known)}")
-    sampler = known[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
+    sampler = SAMPLERS[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
     if steps is not None:
         sampler.set_timesteps(steps)
     return sampler
@@ -486,13 +485,6 @@ def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, 
 def sampler_options(node: Mapping[str, Any]) -> dict[str, Any]:
     """A ``sampler`` config node's own options: everything but ``name``, ``steps`` and ``_target_``."""
     return {k: v for k, v in node.items() if k not in ("name", "steps", "_target_")}
-
-
-def sampler_calls(node: Mapping[str, Any], num_train_timesteps: int) -> int:
-    """Model calls of one sample under a ``sampler`` config node: ``steps`` (all T when unset), plus
-    ``restarts`` × ``restart_steps`` for restart sampling (:class:`med_ddpm.restart.RestartSampler`)."""
-    steps = int(node.get("steps") or num_train_timesteps)
-    return steps + int(node.get("restarts") or 0) * int(node.get("restart_steps") or 0)
 
 
 def sampler_from_config(node: Mapping[str, Any], schedule: NoiseSchedule) -> Sampler:

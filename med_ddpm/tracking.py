@@ -79,4 +79,4 @@ def build_tracker(cfg: Mapping[str, Any] | None, config: Mapping[str, Any] | Non
         return Tracker()
     if name == "wandb":
         return WandbTracker(cfg, config or {})
-    raise ConfigError(f"logger={name}: unknown logger; pass logger=none or logger=wandb")
+    raise ConfigError(f"logger.name={name}: unknown logger; pass logger=none or logger=wandb")

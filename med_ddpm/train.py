@@ -116,6 +116,20 @@ class Job(TrainState):
     out_dir: Path
 
 
+def read_loss_log(run: Path) -> tuple[list[int], list[float]]:
+    """(steps, losses) of a run's ``loss.jsonl``; a step logged twice (a resumed run) keeps its last line."""
+    path = Path(run) / LOSS_LOG
+    by_step = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a killed writer's last line
+            continue
+        by_step[int(record["step"])] = float(record["loss"])
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
 def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
     """Image + mask channels of the data must be what the network takes and predicts."""
     v = dataset.variant

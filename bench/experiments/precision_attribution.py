@@ -32,11 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.records import provenance
 from med_ddpm.model import INPUT_CONV
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import gate_model
 from med_ddpm.stats import per_sample_fit
-from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
+from med_ddpm.utils import atomic_write_text, env_info, json_safe, resolve_device
 
 GROUPS: dict[str, Callable[[str, nn.Module], bool]] = {
     "groupnorm": lambda name, m: isinstance(m, nn.GroupNorm),
@@ -155,8 +156,9 @@ def main(argv: list[str]) -> int:
     inputs = probe_inputs(model, schedule, int(args.get("n", 2)), cfg.model.image_size, device)
     result = attribute(model, inputs, device, dtype)
     print(table(result), end="")
-    if "out" in args:
-        atomic_write_text(Path(args["out"]) / "precision_attribution.json", json.dumps(json_safe(result), indent=2))
+    if "out" in args:  # with the command's arguments, the environment and the commit (bench.records)
+        record = {**result, "args": args, "env": env_info(device), **provenance()}
+        atomic_write_text(Path(args["out"]) / "precision_attribution.json", json.dumps(json_safe(record), indent=2))
     return 0
 
 

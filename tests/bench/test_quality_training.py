@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 
 from bench.ladder import compose_job, quality_pair_ladder
 from bench.ladder import run as run_ladder_command
-from bench.quality_training import compare_losses, loss_curve, split_overrides, training_commands
+from bench.quality_training import compare_losses, split_overrides, training_commands
 from med_ddpm.errors import ConfigError
+from med_ddpm.train import read_loss_log
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 # the tiny net cut to 8^3 and a 4-step schedule: two CPU trainings and an N = 8 gate in seconds
@@ -82,7 +83,7 @@ def test_loss_comparison_is_paired_over_the_tail():
 def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
     lines = [{"step": 10, "loss": 0.5}, {"step": 20, "loss": 0.4}, {"step": 20, "loss": 0.3}]
     (tmp_path / "loss.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 3')  # a torn line
-    assert loss_curve(tmp_path) == ([10, 20], [0.5, 0.3])
+    assert read_loss_log(tmp_path) == ([10, 20], [0.5, 0.3])
 
 
 @pytest.mark.slow

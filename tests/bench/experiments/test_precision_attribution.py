@@ -49,3 +49,12 @@ def test_attribution_finds_the_convolutions(setup):
     assert result["groups"]["time_embedding"]["only"]["eps_rel_l2"] < full
     json.dumps(result)
     assert "| residual_convs |" in table(result)
+
+
+def test_the_written_result_carries_its_arguments_and_commit(tmp_path):
+    from bench.experiments.precision_attribution import main
+
+    assert main(["model=tiny", "device=cpu", "n=1", f"out={tmp_path}"]) == 0
+    record = json.loads((tmp_path / "precision_attribution.json").read_text())
+    assert record["args"]["model"] == "tiny" and len(record["git_sha"]) == 40 and "dirty" in record
+    assert record["groups"]["input_conv"]["modules"] == 1
