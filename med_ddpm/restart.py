@@ -111,7 +111,7 @@ class RestartSampler(Sampler):
         z = self._fresh_noise(noise, x_t, generator)
         s = owner.noise_std(k)
         out = owner.step(model_output, t, x_t, noise=torch.zeros_like(x_t) if s > 0 else None)
-        self.segment.set_timesteps(self.restart_steps + 1)  # a fresh chain from t_max
+        self.segment.rewind()  # a fresh chain from t_max
         jumped = math.sqrt(self.ratio) * out.prev_sample + math.sqrt(self.ratio * s**2 + 1 - self.ratio) * z
         return StepOutput(jumped, out.pred_x0)
 

@@ -225,6 +225,10 @@ class FewStepSampler(Sampler):
         self.alpha = [math.sqrt(a) for a in self.abar]  # α_t = √ᾱ_t
         self.sigma = [math.sqrt(1.0 - a) for a in self.abar]  # σ_t = √(1 − ᾱ_t)
         self._position = {int(t): k for k, t in enumerate(self.timesteps)}
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Start a new chain on the same grid: the first timestep next, no multistep state."""
         self._next_k = 0
         self.reset_history()
 
