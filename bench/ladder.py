@@ -169,6 +169,20 @@ def fast_sample_precisions() -> tuple[list[str], ...]:
     return (experiment_stack("fast_sample", {"amp_bf16": "amp_fp16"}), [f"recipe.amp_bf16.fp32_modules=[{INPUT_CONV}]"])
 
 
+# a full sample gated at batch N and timed at that batch, so the gate's compile of the same shapes is a cache hit
+GATED_SAMPLING = ["bench=full_sample", "bench.batch_size=32", "bench.warmup=1", "bench.iters=2"]
+
+
+def quality_model_gate(preset: str, checkpoint: str | None) -> Job:
+    """The overrides every gated job on the quality model shares: its weights, the gate on, and one reference
+    cache beside the weights for the whole ladder."""
+    if checkpoint is None:
+        raise ConfigError(f"bench.ladder preset={preset} needs checkpoint=PATH (python -m med_ddpm.train "
+                          "experiment=quality_model writes one)")
+    return ["model=quality_model", "bench.quality=true", f"bench.checkpoint={checkpoint}",
+            f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
+
+
 def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     """The gate's verdict next to the time on the quality model (``experiment=quality_model`` weights, 64^3),
     N = ``quality.n_samples`` (32: 8 masks x 4 seeds) against strict-FP32 DDPM-250, the reference cached for the
@@ -178,11 +192,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     convolution (which reads x_t) kept in fp32, and DDPM without the x0 clipping.
     The gate's cost is its trajectories at batch N, so the cheap probe-only controls run early and a short budget
     cuts the last jobs, which a rerun finishes."""
-    if checkpoint is None:
-        raise ConfigError("bench.ladder preset=quality needs checkpoint=PATH (python -m med_ddpm.train "
-                         "experiment=quality_model writes one)")
-    common = ["model=quality_model", "bench.quality=true", f"bench.checkpoint={checkpoint}",
-              f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
+    common = quality_model_gate("quality", checkpoint)
     stepping = [*common, "bench=denoise_step", "bench.batch_size=4"]
     yield [*stepping, "recipe=[]", "quality.candidate_seed=1"]
     controls = (("eps_scale", "factor", 1.01), ("eps_scale", "factor", 1.02), ("eps_scale", "factor", 1.05),
@@ -192,8 +202,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
                "quality.trajectory=false"]
     for stack in (("tf32",), ("channels_last_3d",)):
         yield [*stepping, _recipe(stack)]
-    # timed at batch N as gated, so the gate's compile of the same shapes is an inductor cache hit
-    sampling = [*common, "bench=full_sample", "bench.batch_size=32", "bench.warmup=1", "bench.iters=2"]
+    sampling = [*common, *GATED_SAMPLING]
     yield [*sampling, "experiment=fast_sample"]
     for variant in fast_sample_precisions():
         yield [*sampling, "experiment=fast_sample", *variant]
@@ -225,12 +234,7 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
     ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`), then restart sampling
     (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``). Issue: 25 calls or fewer."""
-    if checkpoint is None:
-        raise ConfigError("bench.ladder preset=samplers needs checkpoint=PATH (python -m med_ddpm.train "
-                         "experiment=quality_model writes one)")
-    gate = [f"bench.checkpoint={checkpoint}", f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
-    gated = ["model=quality_model", "bench.quality=true", *gate, "bench=full_sample", "bench.batch_size=32",
-             "bench.warmup=1", "bench.iters=2", "experiment=fast_sample"]
+    gated = [*quality_model_gate("samplers", checkpoint), *GATED_SAMPLING, "experiment=fast_sample"]
     for steps in (25, 10, 50):
         for order in (2, 3):
             for spacing in ("trailing", "quadratic"):
@@ -366,6 +370,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
         EnsureBaseline.complete(out, budget_s - (time.monotonic() - start))
     print(f"ladder: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
     return left
+
 
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
     """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
