@@ -219,24 +219,25 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
            "device": device.type, "checkpoint": _file_identity(checkpoint), "code": reference_code_digest()}
     reference = _cached(q.get("cache_dir"), key, strict_reference)
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
-    candidate_calls = len(sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule).timesteps)
-    calls = max(T, candidate_calls)  # restart sampling can call the model more than T times
+    node = cfg.get("sampler") or {"name": "ddpm"}
+    sampler = ddpm if other_net is not None else sampler_from_config(node, schedule)  # other_net: DDPM, as checked
+    calls = max(T, len(sampler.timesteps))  # restart sampling can call the model more than T times
     noise = fixed_noise(shape, calls, cand_seed, device) if q.get("trajectory", True) else None
     if other_net is not None:
         with RecipeStack([]).session():
             candidate = (probe_run(other_net, reference, device) if noise is None else
-                         run_trajectory(other_net, ddpm, cond, noise, probe_inputs=reference.probe_inputs))
+                         run_trajectory(other_net, sampler, cond, noise, probe_inputs=reference.probe_inputs))
     else:
-        candidate = stack_candidate(cfg, model, schedule, reference, cond, noise)
+        candidate = stack_candidate(cfg, model, sampler, reference, cond, noise)
     report = QualityGate(q, device=device).run(reference, candidate)
     report.context["checkpoints"] = {"reference": checkpoint, "candidate": other or checkpoint}
     return report
 
 
-def stack_candidate(cfg: Mapping[str, Any], model: torch.nn.Module, schedule, reference: TrajectoryRun,
+def stack_candidate(cfg: Mapping[str, Any], model: torch.nn.Module, sampler: Sampler, reference: TrajectoryRun,
                     cond: torch.Tensor, noise: FixedNoise | None) -> TrajectoryRun:
-    """The candidate arm of a recipe gate: the reference's weights under ``cfg``'s stack and sampler
-    (``noise`` None: probe-only)."""
+    """The candidate arm of a recipe gate: the reference's weights under ``cfg``'s stack, sampled with
+    ``sampler`` (built from ``cfg``'s sampler node; ``noise`` None: probe-only)."""
     from optim import RecipeStack
 
     stack = RecipeStack.from_config(cfg.get("recipe"))
@@ -245,7 +246,6 @@ def stack_candidate(cfg: Mapping[str, Any], model: torch.nn.Module, schedule, re
         model_fn = lambda x, t: fast(stack.prepare_input(x), t)  # noqa: E731
         if noise is None:
             return probe_run(model_fn, reference, cond.device, forward_context=stack.forward_context)
-        sampler = sampler_from_config(cfg.get("sampler") or {"name": "ddpm"}, schedule)
         return run_trajectory(model_fn, sampler, cond, noise, probe_inputs=reference.probe_inputs,
                               forward_context=stack.forward_context)
 

@@ -19,7 +19,7 @@ from med_ddpm.quality import (
     randomize_zero_init,
     run_trajectory,
 )
-from med_ddpm.samplers import DDPMSampler
+from med_ddpm.samplers import DDPMSampler, sampler_from_config
 
 N, MASKS = 32, 8
 SHAPE = (N, 1, 8, 8, 8)
@@ -173,15 +173,23 @@ def test_gate_reuses_a_cached_strict_reference(tmp_path, monkeypatch):
         quality.gate_from_config(cfg, "cpu")
 
 
-def test_a_sampler_with_more_calls_than_t_gets_a_noise_field_per_call():
+def test_a_sampler_with_more_calls_than_t_gets_a_noise_field_per_call(monkeypatch):
     """Restart sampling can make more model calls than the T steps of the DDPM reference: the candidate's fixed
-    noise has one field per call."""
+    noise has one field per call, counted on the one sampler the candidate runs."""
     from med_ddpm import quality
 
+    built = []
+
+    def counted(*args):
+        built.append(sampler_from_config(*args))
+        return built[-1]
+
+    monkeypatch.setattr(quality, "sampler_from_config", counted)
     cfg = _compose("diffusion.timesteps=8", "sampler=restart", "sampler.steps=4", "sampler.spacing=trailing",
                    "sampler.t_min=3", "sampler.t_max=7", "sampler.restarts=3", "sampler.restart_steps=2", "recipe=[]")
     report = quality.gate_from_config(cfg, "cpu").to_dict()
     assert report["candidate_sampler"] == {"name": "RestartSampler", "steps": 4, "calls": 10}
+    assert [type(s).__name__ for s in built] == ["RestartSampler"]  # built once: sized the noise, then ran
     assert report["verdict"] in {"pass", "warn", "fail"}
 
 
