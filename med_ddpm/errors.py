@@ -47,7 +47,11 @@ def _value(cfg: DictConfig, key: str) -> Any:
 
 def check_int(cfg: DictConfig, key: str, low: int, high: int | None = None, meaning: str = "") -> int:
     """``cfg.<key>`` must be an integer in [low, high]; ``meaning`` says what a special value does."""
-    value = _value(cfg, key)
+    return check_int_value(key, _value(cfg, key), low, high, meaning)
+
+
+def check_int_value(key: str, value: Any, low: int, high: int | None = None, meaning: str = "") -> int:
+    """``value`` (option ``key``) must be an integer in [low, high]; ``meaning`` says what a special value does."""
     span = f">= {low}" if high is None else f"in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         raise ConfigError(f"{key}={value!r}: must be an integer {span}{meaning}; pass {key}=N with N {span}")

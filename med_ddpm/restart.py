@@ -22,10 +22,9 @@ import math
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import ConfigError, check_choice, check_int
+from med_ddpm.errors import ConfigError, check_int_value, check_one_of
 from med_ddpm.samplers import SAMPLERS, FewStepSampler, Sampler, StepOutput
 
 BASES = ("ddim", "dpm_solver_pp", "deis")
@@ -53,13 +52,11 @@ class RestartSampler(Sampler):
     def __init__(self, schedule: NoiseSchedule, *, t_min: int, t_max: int, restarts: int = 2, restart_steps: int = 6,
                  base: str = "dpm_solver_pp", **base_options: Any):
         T = schedule.num_train_timesteps
-        opts = OmegaConf.create({"sampler": {"base": base, "t_min": t_min, "t_max": t_max, "restarts": restarts,
-                                             "restart_steps": restart_steps}})
-        check_choice(opts, "sampler.base", BASES)
-        check_int(opts, "sampler.t_min", 0, T - 2)
-        check_int(opts, "sampler.t_max", 1, T - 1)
-        check_int(opts, "sampler.restarts", 0)
-        check_int(opts, "sampler.restart_steps", 1)
+        check_one_of("sampler.base", base, BASES)
+        check_int_value("sampler.t_min", t_min, 0, T - 2)
+        check_int_value("sampler.t_max", t_max, 1, T - 1)
+        check_int_value("sampler.restarts", restarts, 0)
+        check_int_value("sampler.restart_steps", restart_steps, 1)
         if t_min >= t_max:
             raise ConfigError(f"sampler.t_min={t_min}: must be below sampler.t_max={t_max} (the restart interval "
                               f"[t_min, t_max]); pass sampler.t_min < sampler.t_max")

@@ -524,7 +524,9 @@ def test_restart_keeps_the_toy_distribution_at_25_calls(schedule):
     ({"restarts": -1}, r"^sampler\.restarts=-1: must be an integer >= 0"),
     ({"base": "ddpm"}, r"^sampler\.base='ddpm': unknown value; pass one of ddim, dpm_solver_pp, deis$"),
     ({"t_max": 250}, r"^sampler\.t_max=250: must be an integer in \[1, 249\]"),
-], ids=["t_min-above-t_max", "t_min-off-grid", "segment-too-fine", "restarts-negative", "base-ddpm", "t_max-high"])
+    ({"restart_steps": 2.5}, r"^sampler\.restart_steps=2\.5: must be an integer >= 1; pass sampler\.restart_steps=N"),
+], ids=["t_min-above-t_max", "t_min-off-grid", "segment-too-fine", "restarts-negative", "base-ddpm", "t_max-high",
+        "restart_steps-fraction"])
 def test_restart_refuses_bad_options_with_one_line(schedule, options, error):
     with pytest.raises(ConfigError, match=error) as err:
         sampler_from_config(restart_node(**options), schedule)
