@@ -28,6 +28,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from bench.records import provenance
 from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
@@ -113,7 +114,9 @@ def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, devi
 
 
 def summary_markdown(s: dict[str, Any]) -> str:
-    lines = [f"# The quality model ({s['checkpoint']}, step {s['step']})", "", "## Validation loss (held-out phantoms)",
+    lines = [f"# The quality model ({s['checkpoint']}, step {s['step']})", "",
+             f"Code: commit `{s['git_sha'][:12]}`{' (dirty)' if s['dirty'] else ''}.", "",
+             "## Validation loss (held-out phantoms)",
              "", "| step | EMA | raw weights |", "| --- | --- | --- |"]
     lines += [f"| {p['step']} | {p['val_loss_ema']:.5f} | {p['val_loss_model']:.5f} |" for p in s["loss_curve"]]
     if s["train_loss"]:
@@ -144,7 +147,7 @@ def main(cfg: DictConfig) -> None:
     ckpt = read_checkpoint(last)
     size = tuple(ckpt["config"]["model"]["image_size"])
     images, conds = held_out_phantoms(16, size, VARIANT_BY_IMAGE_CHANNELS[ckpt["config"]["model"]["out_channels"]])
-    summary = {"checkpoint": str(last), "step": int(ckpt["step"]),
+    summary = {**provenance(), "checkpoint": str(last), "step": int(ckpt["step"]),
                "train": {k: ckpt["config"].get(k) for k in ("seed", "train", "data", "model")},
                "loss_curve": loss_curve(run, images, conds, device), "train_loss": training_loss(run),
                "fidelity": fidelity(last, size, n, n_masks, device, out)}

@@ -93,8 +93,9 @@ def test_quality_ladder_runs_controls_and_shipped_stacks_at_n32(tmp_path):
     assert all(c["quality"]["n_samples"] >= 32 and c["model"]["image_size"] == [64, 64, 64] for c in configs)
     assert not configs[0].get("recipe") and configs[0]["quality"]["candidate_seed"] == 1
     assert {c["quality"]["cache_dir"] for c in configs} == {str(tmp_path / "gate_cache")}
-    fp16 = [r for r in rows if "amp_fp16" in r["recipes"]]
+    fp16, bf16 = ([r for r in rows if dtype in r["recipes"]] for dtype in ("amp_fp16", "amp_bf16"))
     assert len(fp16) == 1 and fp16[0]["sampler"] == "dpm_solver_pp(variant=sde)"
+    assert len(bf16) == 2 and {r["sampler"] for r in bf16} == {"dpm_solver_pp(variant=sde)"}
     assert configs[-1]["sampler"]["clip_denoised"] is False
 
 

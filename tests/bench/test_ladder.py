@@ -45,9 +45,10 @@ def test_every_job_composes_and_is_unique(preset, tmp_path):
     assert len(set(keys)) == len(keys), "two jobs of one preset would overwrite each other's row"
 
 
-def test_quality_preset_gates_the_shipped_sampling_experiment_and_its_fp16_variant(tmp_path):
-    """The gate runs ``experiment=fast_sample`` exactly as shipped (sampler and stack with options), and a variant
-    that swaps only amp_bf16 for amp_fp16; every job shares one reference cache next to the checkpoint."""
+def test_quality_preset_gates_the_shipped_sampling_experiment_and_its_bf16_variant(tmp_path):
+    """The gate runs ``experiment=fast_sample`` exactly as shipped (sampler and stack with options), a variant
+    that swaps only amp_fp16 for amp_bf16, and that variant with its input convolution in fp32; every job shares
+    one reference cache next to the checkpoint."""
     sample = experiment("sample", "fast_sample")
     configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs_of("quality", tmp_path))]
     assert all(c["bench"]["quality"] and c["model"]["image_size"] == [64, 64, 64] for c in configs)
@@ -55,9 +56,11 @@ def test_quality_preset_gates_the_shipped_sampling_experiment_and_its_fp16_varia
     shipped = OmegaConf.to_container(sample.recipe, resolve=True)
     fast = [c for c in configs if c["sampler"] == OmegaConf.to_container(sample.sampler, resolve=True)]
     assert [c["recipe"] for c in fast][0] == shipped
-    fp16 = fast[1]["recipe"]
-    assert list(fp16) == ["amp_fp16", *list(shipped)[1:]] and fp16["amp_fp16"]["dtype"] == "float16"
-    assert all(fp16[k] == v for k, v in shipped.items() if k != "amp_bf16")
+    assert list(shipped)[0] == "amp_fp16" and shipped["amp_fp16"]["fp32_modules"] == []
+    bf16, island = fast[1]["recipe"], fast[2]["recipe"]
+    assert list(bf16) == ["amp_bf16", *list(shipped)[1:]] and bf16["amp_bf16"]["dtype"] == "bfloat16"
+    assert all(bf16[k] == v for k, v in shipped.items() if k != "amp_fp16")
+    assert island == {**bf16, "amp_bf16": {**bf16["amp_bf16"], "fp32_modules": ["input_blocks.0.0"]}}
     with pytest.raises(ConfigError, match="checkpoint=PATH"):
         ladder_jobs(ladder_cfg(tmp_path, "preset=quality"))
 
@@ -159,14 +162,14 @@ def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budge
 
 def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
     """``preset=targets`` composes ``experiment=fast_sample`` and ``experiment=fast_train`` (their stacks are
-    not rewritten in Python): each workload next to its strict-FP32 baseline; then fast_sample's fp16 and
+    not rewritten in Python): each workload next to its strict-FP32 baseline; then fast_sample's bf16 and
     bf16-island variants, each differing from the shipped stack in its autocast only."""
     jobs = jobs_of("targets", tmp_path)
-    shipped = [job for job in jobs if not any("amp_fp16" in o or "fp32_modules" in o for o in job)]
+    shipped = [job for job in jobs if not any("amp_bf16" in o for o in job)]
     variants = [compose_job(job, tmp_path / f"v{n}")["config"] for n, job in enumerate(jobs) if job not in shipped]
     assert [c["bench"]["scenario"] for c in variants] == ["denoise_step", "full_sample"] * 2
-    assert [list(c["recipe"])[0] for c in variants] == ["amp_fp16", "amp_fp16", "amp_bf16", "amp_bf16"]
-    assert variants[2]["recipe"]["amp_bf16"]["fp32_modules"] == ["input_blocks.0.0"]
+    assert [list(c["recipe"])[0] for c in variants] == ["amp_bf16"] * 4
+    assert [c["recipe"]["amp_bf16"]["fp32_modules"] for c in variants] == [[], [], ["input_blocks.0.0"], ["input_blocks.0.0"]]
     jobs = shipped
     assert not any(o.startswith("recipe=[") and o != "recipe=[]" for job in jobs for o in job)
     specs = [compose_job(job, tmp_path / str(n)) for n, job in enumerate(jobs)]
