@@ -437,7 +437,8 @@ class NiftiPairDataset(Dataset):
         orphan_masks: masks without an image (reported in one warning, not trained on).
         cache: where preprocessed items live: ``memory`` (MONAI ``CacheDataset``, decoded once at start-up),
             ``disk`` (``PersistentDataset``) or ``none`` (decoded at every access); ``auto`` picks memory
-            when it fits (:func:`resolve_cache`).
+            when it fits (:func:`resolve_cache`). A memory-cached item is the cache's own object: the
+            DataLoader's collation copies it; copy it before editing it in place.
     """
 
     def __init__(self, pairing: Pairing, variant: Variant, image_size: Sequence[int], *,
@@ -572,7 +573,7 @@ def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None 
         from med_ddpm.phantoms import SyntheticPhantoms  # phantoms builds on this module's label encoding
 
         return SyntheticPhantoms(cfg_data.get("num_volumes", 8), size, variant=cfg_data.get("variant", "whole_head"),
-                                 seed=cfg_data.get("seed", 0), **common)
+                                 seed=cfg_data.get("seed", 0), cache=cfg_data.get("cache", "none"), **common)
     files = {k: cfg_data[k] for k in ("resize_mode", "on_bad_file", "cache", "cache_dir") if k in cfg_data}
     if name == "whole_head":
         return WholeHeadDataset(cfg_data["root"], size, **common, **files)

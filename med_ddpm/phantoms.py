@@ -14,6 +14,7 @@ Variants follow ``med_ddpm.data.VARIANTS``:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from med_ddpm.data import BRATS_MODALITIES, get_variant, labels_to_cond, medddpm_slice_minmax
-from med_ddpm.errors import ConfigError
+from med_ddpm.data import BRATS_MODALITIES, get_variant, labels_to_cond, medddpm_slice_minmax, resolve_cache
+from med_ddpm.errors import ConfigError, check_one_of
 from med_ddpm.volume_io import save_volume_like
 
 # Tissue classes of the phantom (not labels: several tissues share a label).
@@ -122,15 +123,28 @@ class SyntheticPhantoms(Dataset):
         seed: item i depends only on (seed, i).
         intensity: ``volume_minmax``/``none`` keep the generated [-1, 1] volume; ``medddpm_slice_minmax``
             applies the original's per-slice scaling, as the NIfTI loader would.
+        cache: ``memory`` generates every phantom once, at construction (MONAI ``CacheDataset``), so a training
+            step does not wait for procedural generation; ``auto`` does so when the set fits
+            (:func:`med_ddpm.data.resolve_cache`); ``none`` generates each item when it is read.
     """
 
     def __init__(self, num_volumes: int = 8, image_size: Sequence[int] = (32, 32, 32), *,
-                 variant: str = "whole_head", seed: int = 0, intensity: str = "volume_minmax") -> None:
+                 variant: str = "whole_head", seed: int = 0, intensity: str = "volume_minmax",
+                 cache: str = "none") -> None:
         if num_volumes < 1:
             raise ConfigError(f"data.num_volumes={num_volumes}: must be >= 1; pass data.num_volumes=N with N >= 1")
         self.variant = get_variant(variant)
         self.num_volumes, self.image_size, self.seed = int(num_volumes), tuple(int(s) for s in image_size), int(seed)
         self.intensity = intensity
+        check_one_of("data.cache", cache, ("auto", "memory", "none"))  # nothing to keep on disk: generation is cheap
+        self.cache = resolve_cache(cache, self.num_volumes, self.variant, self.image_size)
+        self._cached = None
+        if self.cache == "memory":
+            from monai.data import CacheDataset
+            from monai.transforms import Lambda  # a MONAI transform: CacheDataset caches only those
+
+            self._cached = CacheDataset(range(self.num_volumes), Lambda(self.generate), cache_rate=1.0,
+                                        num_workers=0, progress=False)
 
     def __len__(self) -> int:
         return self.num_volumes
@@ -138,6 +152,11 @@ class SyntheticPhantoms(Dataset):
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.num_volumes:
             raise IndexError(f"phantom index {index} out of range [0, {self.num_volumes})")
+        # a copy of the cached item (MONAI hands out the cached object itself): an in-place edit stays the caller's
+        return copy.deepcopy(self._cached[index]) if self._cached is not None else self.generate(index)
+
+    def generate(self, index: int) -> dict:
+        """Item ``index``, generated now: a function of (seed, index) alone."""
         image, labels = generate_phantom(self.image_size, self.variant.name, seed=self.seed, index=index)
         image = torch.from_numpy(image)
         if self.intensity == "medddpm_slice_minmax":

@@ -50,6 +50,38 @@ def test_slice_minmax_option():
     assert torch.equal(scaled["image"], medddpm_slice_minmax(raw["image"]))
 
 
+def test_memory_cache_returns_the_generated_items_and_guards_them(monkeypatch):
+    """``cache=memory`` generates each phantom once, at construction, and hands out copies: the same items as
+    generation on every read, so the cache never changes what a run trains on."""
+    made = []
+    generate = SyntheticPhantoms.generate
+    monkeypatch.setattr(SyntheticPhantoms, "generate", lambda self, i: made.append(i) or generate(self, i))
+    cached, plain = SyntheticPhantoms(3, SIZE, seed=2, cache="memory"), SyntheticPhantoms(3, SIZE, seed=2)
+    assert cached.cache == "memory" and plain.cache == "none" and made == [0, 1, 2]
+    for index in (2, 0, 2):
+        item, fresh = cached[index], plain[index]
+        assert torch.equal(item["image"], fresh["image"]) and torch.equal(item["cond"], fresh["cond"])
+        assert item["name"] == fresh["name"]
+        item["image"].add_(1)  # a caller that edits its batch in place
+    assert made == [0, 1, 2, 2, 0, 2], "the cached set generated nothing after construction"
+    assert torch.equal(cached[2]["image"], plain[2]["image"])
+
+
+def test_the_synthetic_config_caches_a_set_that_fits_and_refuses_disk():
+    from hydra import compose, initialize_config_dir
+
+    from med_ddpm.cli import CONFIG_DIR
+    from med_ddpm.data import build_dataset
+    from med_ddpm.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["model=tiny", "output_dir=/tmp/x"])
+    assert cfg.data.name == "synthetic" and cfg.data.cache == "auto"
+    assert build_dataset(cfg.data, SIZE).cache == "memory"  # a few small phantoms fit any machine's RAM
+    with pytest.raises(ConfigError, match=r"^data.cache='disk': unknown value; pass one of auto, memory, none$"):
+        build_dataset({**cfg.data, "cache": "disk"}, SIZE)
+
+
 def test_fast_at_64_cubed():
     generate_phantom((64, 64, 64))
     best = min(_timed(partial(generate_phantom, (64, 64, 64), "brats", index=i)) for i in range(3))
