@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,9 @@ import torch
 from med_ddpm.utils import atomic_write_text
 
 TIMINGS_FILE = "timings.json"
+# torch.compile's own phase counters kept in timings.json: all of it, then AOTAutograd + Inductor, Inductor alone
+# (a loaded compile cache makes these small: Dynamo still traces), and waiting for Triton kernel compiles
+COMPILE_PHASES = ("entire_frame_compile", "backend_compile", "inductor_compile", "async_compile.wait")
 
 
 def process_start_time() -> float:
@@ -43,6 +47,16 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so a mark means "done", not "queued"."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds ``torch.compile`` spent in this process, per phase of :data:`COMPILE_PHASES` (Dynamo's counters,
+    summed over every frame it compiled; empty when nothing was compiled). What a first step or volume took
+    beyond ``entire_frame_compile`` is the rest of its first run: cuDNN autotuning, CUDA-graph capture and the
+    step itself."""
+    utils = sys.modules.get("torch._dynamo.utils")  # loaded by torch.compile; not imported here if never used
+    spent = getattr(utils, "calculate_time_spent", None)
+    return {k: round(v, 4) for k, v in spent().items() if k in COMPILE_PHASES} if spent else {}
 
 
 class RunClock:
@@ -65,6 +79,7 @@ class RunClock:
 
     def write(self, out_dir: str | Path) -> Path:
         self.values["total_s"] = round(self.now(), 4)
+        self.values["torch_compile_s"] = compile_phases()
         return atomic_write_text(Path(out_dir) / TIMINGS_FILE, json.dumps(self.values, indent=1, sort_keys=True))
 
 

@@ -48,14 +48,16 @@ def test_every_e2e_job_is_a_command_that_composes(tmp_path):
 def test_the_split_is_read_off_the_marks():
     sample = {"run_start_s": 2.0, "device_ready_s": 2.5, "model_ready_s": 4.0, "first_volume_done_s": 14.0,
               "sampling_done_s": 20.0, "total_s": 20.5, "volume_s": [10.0, 2.0, 3.0, 2.5], "volumes": 4,
-              "write_busy_s": 2.4, "write_wait_s": 0.1}
+              "write_busy_s": 2.4, "write_wait_s": 0.1, "torch_compile_s": {"entire_frame_compile": 6.25}}
     split = sample_split(sample)
+    assert split["torch_compile_s"] == 6.25
     assert (split["imports_s"], split["cuda_init_s"], split["startup_s"]) == (2.0, 0.5, 4.0)
     assert (split["first_volume_s"], split["per_volume_s"], split["compile_s"]) == (10.0, 2.0, 7.5)
     assert split["write_exposed_s"] == 0.6 and split["sampling_s"] == 17.5
     train = train_split({"loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0, "ms_per_step": 120.0,
                          "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57})
     assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
+    assert train["torch_compile_s"] is None, "a timings.json without Dynamo's counters: no figure, not zero"
 
 
 def test_the_report_has_a_line_per_row_and_names_failures():

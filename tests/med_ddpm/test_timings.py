@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from med_ddpm.timings import LoopTimer, RunClock, TimedIterator, process_start_time
+from med_ddpm.timings import LoopTimer, RunClock, TimedIterator, compile_phases, process_start_time
 
 
 def slow_batches(wait_s: float):
@@ -39,6 +39,19 @@ def test_a_loop_too_short_for_a_steady_state_reports_none(tmp_path):
     for step in range(1, 4):
         timer.step_done(last=step == 3)
     assert "ms_per_volume" not in json.loads(timer.write(tmp_path).read_text())
+
+
+def test_timings_keep_what_torch_compile_spent(tmp_path):
+    """Dynamo's counters grow by what a compiled call cost; timings.json carries them, so a first step's time
+    splits into compiling and the rest."""
+    before = compile_phases().get("entire_frame_compile", 0.0)
+    torch._dynamo.reset()
+    torch.compile(lambda x: torch.sin(x) * 2, backend="eager")(torch.ones(3))
+    after = compile_phases()
+    assert after["entire_frame_compile"] > before and set(after) <= {"entire_frame_compile", "backend_compile",
+                                                                      "inductor_compile", "async_compile.wait"}
+    written = json.loads(RunClock("sample").write(tmp_path).read_text())["torch_compile_s"]
+    assert written["entire_frame_compile"] >= after["entire_frame_compile"]
 
 
 def test_the_process_started_before_now():
