@@ -323,7 +323,9 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
 
     A speed-up is only ever against the strict-FP32 row of the same run (one launch), so before the first job
     of a workload that this launch measures, the workload's baseline job is measured too, even when an earlier
-    (cut) launch already has a row for it: a resumed ladder's rows get their own baseline.
+    (cut) launch already has a row for it: a resumed ladder's rows get their own baseline. A strict-FP32 job is
+    its workload's baseline itself, so two of one workload (two checkpoints gated against one reference) are each
+    measured once.
 
     ``refresh``: a regex over a job's overrides; matching jobs rerun unless this code measured them.
     ``complete_baselines``: spend what is left of the budget on strict-FP32 baselines the results miss.
@@ -334,6 +336,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
     specs = {n: compose_job(o, out / "jobs" / f"{n:03d}") for n, o in enumerate(jobs) if not missing_recipes(o)}
     baselines = {baseline_key(base_row(spec)): n for n, spec in specs.items() if is_baseline(base_row(spec))}
     measured: set[str] = set()  # workloads whose baseline this launch measured
+    ran: set[int] = set()  # jobs this launch measured
 
     def measure(n: int) -> bool:
         """Run job ``n``; False when the budget ran out (no row)."""
@@ -346,6 +349,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
             return False
         append_row(out / RESULTS_FILE, row)
         log_row(row)
+        ran.add(n)
         if is_baseline(row):
             measured.add(baseline_key(row))
         return True
@@ -356,13 +360,14 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
             continue
         key = baseline_key(base_row(specs[n]))
         stale_ok = not (refresh and re.search(refresh, " ".join(overrides)))
-        if job_key(base_row(specs[n])) in (done if stale_ok else current) or key in measured and n == baselines[key]:
+        if job_key(base_row(specs[n])) in (done if stale_ok else current) or n in ran:
             continue
         if dry_run or budget_s - (time.monotonic() - start) <= 0:
             left += 1
             print(f"[todo] {' '.join(overrides)}")
             continue
-        if key in baselines and key not in measured and baselines[key] != n and not measure(baselines[key]):
+        needs_baseline = key in baselines and key not in measured and not is_baseline(base_row(specs[n]))
+        if needs_baseline and not measure(baselines[key]):
             left += 1
             continue
         if not measure(n):

@@ -1,30 +1,42 @@
-"""Does a training stack degrade the trained model? The quality model trained twice, then the two models gated.
+"""Does a training stack degrade the trained model? The quality model trained three times, then gated twice.
 
-``experiment=quality_model`` is trained for ``steps`` optimizer steps twice, in fresh processes
-(``python -m med_ddpm.train``): once with strict FP32 (``recipe=[]``) and once with ``experiment``'s recipe
-stack (default ``fast_train``; the stack and the options it sets on its recipes are read from its config,
-:func:`bench.ladder.experiment_stack`). Everything else is the quality model's own config: the same seed,
-so the same initial weights, data order and every (t, ε) draw; batch 4 x grad_accum 1 in both, which
-``compile_cudagraphs`` takes. Then:
+``experiment=quality_model`` is trained for ``steps`` optimizer steps three times, in fresh processes
+(``python -m med_ddpm.train``): with strict FP32 (``recipe=[]``, arm ``fp32``), with ``experiment``'s recipe stack
+(default ``fast_train``; the stack and the options it sets on its recipes are read from its config,
+:func:`bench.ladder.experiment_stack`), and with strict FP32 and the next seed (``fp32_reseed``: ``seed=`` the
+quality model's + 1). The stack's run is the quality model's own config otherwise: the same seed, so the same
+initial weights, data order and every (t, ε) draw; batch 4 x grad_accum 1 in all three, which
+``compile_cudagraphs`` takes. Two training runs diverge even on one recipe stack (nondeterministic cuDNN weight
+gradients, chaotic SGD), so the reseeded run is what retraining alone changes: the null a stack is judged against.
+Then:
 
-* ``<out>/loss_curves.json`` and ``loss_curves.png``: both runs' logged training loss (each run's
-  ``loss.jsonl``) overlaid. The two runs see the same samples, t and ε at every step, so the curves differ
-  only by the stack's numerics and what they did to the weights;
+* ``<out>/loss_curves.json`` and ``loss_curves.png``: the three runs' logged training loss (each run's
+  ``loss.jsonl``) overlaid, each with its mean over the last quarter of the steps. The stack's run sees FP32's
+  samples, t and ε at every step, so its per-step difference from FP32 is paired; the reseeded run's is not;
 * ``<out>/training.json``: each run's command and ``timings.json`` (steady ms per step: a same-call ratio);
-* one gated row in ``<out>/results.jsonl`` (``bench.ladder preset=quality_pair``): the FP32 run's EMA weights
-  as the reference, the stack run's EMA weights as the candidate (``quality.candidate_checkpoint``), both
-  strict-FP32 DDPM with the same masks and noise, so only the weights differ.
+* two gated rows in ``<out>/results.jsonl`` (:func:`bench.ladder.quality_pair_ladder`): the FP32 run's EMA weights
+  as the reference, the stack's (the stack row) and the reseeded run's (the training-noise row) as the candidate
+  (``quality.candidate_checkpoint``, which names the row in its key and label), strict-FP32 DDPM with the same
+  masks and noise, so only the weights differ;
+* ``<out>/training_verdict.json`` (printed too): per distribution check of the gate (intensity histogram W1, KID,
+  MMD, diversity gap), the stack row's value and p-value beside the training-noise row's, and ``pass`` (within
+  training noise) when the stack's statistic is no further from the reference than the reseeded model's (the
+  magnitude for the two-sided diversity gap), else ``fail``; the verdict passes when every check does. With the
+  three runs' loss tail means. It is ONE draw of training noise (one reseed), so a coarse check: a stack that
+  passes is no further from FP32 than one retraining was. The paired and ε checks between two trained models
+  measure how far apart their weights are, not degradation: reported (``weight_differences``), not deciding.
+  Without both rows (a gate job cut by the budget or failed) the verdict is ``undecided`` and says which is missing.
 
-Run as a ladder preset (1000 steps each: the quality model's own 3000, twice, would not fit one 10-minute device
-call; a call cut by ``budget_s`` is finished by running the same command again):
+Run as a ladder preset (1000 steps each: three runs and two gates take several 10-minute device calls,
+docs/quality.md; a call cut by ``budget_s`` is finished by running the same command again while ``runs`` is there):
     python -m bench.ladder preset=quality_training out=bench/results/h200/quality/training budget_s=560
 
 Options (``quality_training.*`` in configs/ladder.yaml): ``steps`` (1000), ``experiment`` (fast_train), ``runs``
-(the two runs and their compile cache; default ``runs/quality_training``, git-ignored) and ``overrides``, a list of
-Hydra overrides: ``train.*`` go to both training runs, ``quality.*`` and ``bench.*`` to the gate, the rest
-(``model``, ``data``, ``diffusion``, ``sampler``, ``device``, ``seed``, ...) to all three. Resumable: a run is
-continued from its last checkpoint (``resume=auto``), a finished run and a row already in results.jsonl are kept,
-so a cut call is finished by the same command.
+(the three runs and their compile cache; default ``runs/quality_training``, git-ignored) and ``overrides``, a list
+of Hydra overrides: ``train.*`` go to the training runs, ``quality.*`` and ``bench.*`` to the gate, the rest
+(``model``, ``data``, ``diffusion``, ``sampler``, ``device``, ``seed``, ...) to both (a ``seed=`` there moves the
+reseeded run to that seed + 1). Resumable: a run is continued from its last checkpoint (``resume=auto``), a
+finished run and a row already in results.jsonl are kept, so a cut call is finished by the same command.
 """
 
 from __future__ import annotations
@@ -33,20 +45,30 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra import compose
+
 from bench.e2e import spawn
 from bench.ladder import experiment_stack, quality_pair_ladder, run_ladder
+from bench.records import RESULTS_FILE, candidate_checkpoint, read_rows
 from med_ddpm.checkpoint import read_checkpoint
-from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.cli import CONFIG_DIR, configs
 from med_ddpm.errors import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, save_figure
 
 REFERENCE = "fp32"
+RESEED = "fp32_reseed"  # strict FP32 with the next seed: what retraining alone changes
+NOISE = "training_noise"  # the row that gates RESEED against REFERENCE
+TWO_SIDED = ("diversity_gap",)  # the gate tests it two-sided (med_ddpm.gate): its magnitude is the distance
+PAIRED = {"stack": f"{REFERENCE} vs the stack", NOISE: f"{REFERENCE} vs {RESEED}"}  # what each gated row compares
+VERDICT_FILE = "training_verdict.json"
+NOTE = ("one draw of training noise (one reseeded FP32 run): a coarse check. The paired and eps checks between two "
+        "trained models measure how far apart their weights are, not degradation: reported, not deciding.")
 TAIL = 0.25  # the loss summary averages the last quarter of the logged steps
 
 
@@ -59,15 +81,22 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
             [o for o in overrides if top(o) != "train"])
 
 
+def quality_model_seed(overrides: Sequence[str] = ()) -> int:
+    """The quality model's run seed under ``overrides`` (its config is the one source)."""
+    with configs():
+        return int(compose("train", overrides=["experiment=quality_model", *overrides, "output_dir=."]).seed)
+
+
 def training_commands(steps: int, experiment: str, runs: Path, overrides: Sequence[str] = ()) -> dict[str, list[str]]:
-    """Arm name -> ``python -m`` argv of its training run: strict FP32 and ``experiment``'s stack, nothing else apart."""
+    """Arm name -> ``python -m`` argv of its training run: strict FP32, ``experiment``'s stack (nothing else apart)
+    and strict FP32 with the next seed (the run seed alone apart: another draw of the training noise)."""
     if not (CONFIG_DIR / "experiment" / f"{experiment}.yaml").exists():
         raise ConfigError(f"quality_training.experiment={experiment}: no configs/experiment/{experiment}.yaml; "
                           "name an experiment whose recipe stack to train with (fast_train)")
-    shipped = experiment_stack(experiment)
-    stacks = {REFERENCE: ["recipe=[]"], experiment: shipped}
+    stacks = {REFERENCE: ["recipe=[]"], experiment: experiment_stack(experiment), RESEED: ["recipe=[]"]}
+    reseed = {RESEED: [f"seed={quality_model_seed(overrides) + 1}"]}  # after the overrides: it wins over a seed= there
     return {arm: ["med_ddpm.train", "experiment=quality_model", *stack, f"train.max_steps={steps}", *overrides,
-                  f"output_dir={runs / arm}", "resume=auto", "train.progress=false"]
+                  *reseed.get(arm, []), f"output_dir={runs / arm}", "resume=auto", "train.progress=false"]
             for arm, stack in stacks.items()}
 
 
@@ -93,9 +122,11 @@ def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None) -
     return "done"
 
 
-def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: str) -> dict[str, Any]:
-    """Each run's mean loss over the last quarter of its logged steps, and the candidate's paired difference
-    there (same steps, so the same samples, t and ε: the difference is the stack's alone)."""
+def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: str,
+                   unpaired: Collection[str] = ()) -> dict[str, Any]:
+    """Each run's mean loss over the last quarter of its logged steps and, for a run on the reference's data order,
+    its paired difference there (same steps, so the same samples, t and ε: the difference is the stack's alone).
+    An ``unpaired`` run (another seed: other samples, t and ε at each step) gets no per-step difference."""
     ref = dict(zip(*curves[reference]))
     out: dict[str, Any] = {"tail_fraction": TAIL}
     for arm, (steps, losses) in curves.items():
@@ -103,25 +134,32 @@ def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: 
         mine = dict(zip(steps, losses))
         out[arm] = {"logged_steps": len(steps), "last_step": steps[-1] if steps else None,
                     "tail_mean_loss": sum(mine[s] for s in tail) / len(tail) if tail else None}
+        if arm == reference:
+            continue
+        out[arm]["paired"] = arm not in unpaired
         shared = [s for s in tail if s in ref]
-        if arm != reference and shared:
+        if out[arm]["paired"] and shared:
             out[arm]["tail_mean_difference"] = sum(mine[s] - ref[s] for s in shared) / len(shared)
     return out
 
 
+def arm_label(arm: str) -> str:
+    return {REFERENCE: "strict FP32 (recipe=[])", RESEED: "strict FP32, next seed (unpaired)"}.get(
+        arm, f"experiment={arm}'s stack")
+
+
 def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, title: str) -> Path:
-    """Both runs' logged losses (thin) and their running means over 10 logged steps (thick), log scale."""
+    """Every run's logged losses (thin) and their running means over 10 logged steps (thick), log scale."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for colour, (arm, (steps, losses)) in zip(("tab:blue", "tab:orange"), curves.items()):
+    for colour, (arm, (steps, losses)) in zip(("tab:blue", "tab:orange", "tab:green"), curves.items()):
         window = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
         ax.plot(steps, losses, color=colour, lw=0.6, alpha=0.4)
-        ax.plot(steps, window, color=colour, lw=1.8,
-                label="strict FP32 (recipe=[])" if arm == REFERENCE else f"experiment={arm}'s stack")
+        ax.plot(steps, window, color=colour, lw=1.8, label=arm_label(arm))
     ax.set(xlabel="optimizer step", ylabel="training loss", yscale="log")
     ax.set_title(title, fontsize=10)
     ax.legend()
@@ -130,12 +168,13 @@ def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
 
 
 def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: int) -> dict[str, Any]:
-    """loss_curves.json / .png and training.json from the two finished runs."""
+    """loss_curves.json / .png and training.json from the finished runs."""
     curves = {arm: read_loss_log(runs / arm) for arm in commands}
-    summary = compare_losses(curves, REFERENCE)
+    summary = compare_losses(curves, REFERENCE, unpaired=(RESEED,))
     atomic_write_text(out / "loss_curves.json", json.dumps(
         {"summary": summary, "curves": {arm: {"step": s, "loss": v} for arm, (s, v) in curves.items()}}, indent=1))
-    plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each, same seed and data order")
+    plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each; the stack on FP32's seed and "
+                "data order, the reseeded FP32 run on its own")
     timings = {arm: json.loads(p.read_text()) if (p := runs / arm / TIMINGS_FILE).exists() else None
                for arm in commands}
     atomic_write_text(out / "training.json", json.dumps(
@@ -143,21 +182,96 @@ def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: i
     return summary
 
 
+def gated_pairs(runs: Path, experiment: str) -> dict[str, tuple[str, str]]:
+    """Row name -> (reference, candidate) EMA weights: the stack's row and the training-noise row."""
+    def weights(arm: str) -> str:
+        return str(runs / arm / "checkpoints" / "last.pt")
+
+    return {"stack": (weights(REFERENCE), weights(experiment)), NOISE: (weights(REFERENCE), weights(RESEED))}
+
+
+def gated_row(rows: list[dict[str, Any]], pair: tuple[str, str]) -> dict[str, Any] | None:
+    """The latest row that gated ``pair`` (reference, candidate weights), or None when there is none or it failed."""
+    found = [r for r in rows if candidate_checkpoint(r) == pair[1]
+             and ((r.get("config") or {}).get("bench") or {}).get("checkpoint") == pair[0]]
+    last = found[-1] if found else {}
+    return last if last.get("status") == "ok" and (last.get("quality") or {}).get("checks") else None
+
+
+def distance(name: str, value: Any) -> float:
+    """How far a check's statistic puts the candidate from the reference: the value, or its magnitude for a
+    two-sided check (``diversity_gap`` may go either way). JSON keeps a NaN as a string; float() reads it."""
+    return abs(float(value)) if name in TWO_SIDED else float(value)
+
+
+def compare_checks(stack: dict[str, Any], noise: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per distribution check: both rows' value and p-value, pass when the stack is no further than the noise."""
+    out = {}
+    for name, check in stack["quality"]["checks"].items():
+        other = noise["quality"]["checks"].get(name)
+        if check.get("kind") != "distribution" or other is None:
+            continue
+        within = distance(name, check["value"]) <= distance(name, other["value"])
+        out[name] = {"stack": {k: check.get(k) for k in ("value", "p_value", "status")},
+                     NOISE: {k: other.get(k) for k in ("value", "p_value", "status")},
+                     "verdict": "pass" if within else "fail"}
+    return out
+
+
+def weight_differences(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The paired and ε checks of each row: how far apart two trained networks are, reported, not deciding."""
+    names = [n for n, c in rows["stack"]["quality"]["checks"].items() if c.get("kind") != "distribution"]
+    return {n: {arm: row["quality"]["checks"].get(n, {}).get("value") for arm, row in rows.items()} for n in names}
+
+
+def training_verdict(stack: dict[str, Any] | None, noise: dict[str, Any] | None,
+                     losses: dict[str, Any]) -> dict[str, Any]:
+    """The stack's row judged against the training-noise row (module docstring); ``undecided`` without both."""
+    out: dict[str, Any] = {"note": NOTE, "tail_mean_loss": {arm: v["tail_mean_loss"] for arm, v in losses.items()
+                                                            if isinstance(v, dict)}}
+    rows = {"stack": stack, NOISE: noise}
+    missing = [f"{name} row ({PAIRED[name]})" for name, row in rows.items() if row is None]
+    if missing:
+        return {"verdict": "undecided", "why": f"no gated {' and no '.join(missing)} in results.jsonl (cut by the "
+                "budget or failed): rerun the same command", **out}
+    checks = compare_checks(stack, noise)
+    worse = [f"{n}: stack {float(c['stack']['value']):.3g} vs training noise {float(c[NOISE]['value']):.3g}"
+             for n, c in checks.items() if c["verdict"] == "fail"]
+    verdict = "undecided" if not checks else "fail" if worse else "pass"
+    why = "; ".join(worse) or ("within training noise" if checks else "the rows hold no distribution check")
+    return {"verdict": verdict, "why": why, "checks": checks,
+            "gate": {name: row["quality"]["verdict"] for name, row in rows.items()},
+            "weight_differences": weight_differences(rows), **out}
+
+
+def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], losses: dict[str, Any]) -> dict[str, Any]:
+    rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
+    verdict = training_verdict(gated_row(rows, pairs["stack"]), gated_row(rows, pairs[NOISE]), losses)
+    atomic_write_text(out / VERDICT_FILE, json.dumps(verdict, indent=1))
+    print(json.dumps({k: verdict[k] for k in ("verdict", "why", "tail_mean_loss")}, indent=1))
+    return verdict
+
+
 def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path = Path("runs/quality_training"),
         budget_s: float = math.inf, overrides: Sequence[str] = ()) -> int:
-    """Train both arms, write the loss curves, gate the two EMA models; returns the steps left (0: done)."""
+    """Train the three arms, write the loss curves, gate the stack's and the reseeded EMA models against FP32's and
+    write the training verdict; returns the steps left (0: done)."""
     start = time.monotonic()
     train_overrides, gate_overrides = split_overrides(overrides)
-    commands = training_commands(steps, experiment, runs.resolve(), train_overrides)
+    runs = runs.resolve()
+    commands = training_commands(steps, experiment, runs, train_overrides)
     for arm, argv in commands.items():
         remaining = budget_s - (time.monotonic() - start)
         timeout = remaining if math.isfinite(remaining) else None
-        status = train_arm(argv, runs.resolve() / arm, steps, timeout) if remaining > 0 else "cut"
+        status = train_arm(argv, runs / arm, steps, timeout) if remaining > 0 else "cut"
         if status != "done":
             print(f"quality_training: the {arm} run is not finished ({status}); rerun the same command to continue")
             return 2 if status == "cut" else 1
     out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(write_curves(out, runs.resolve(), commands, steps)))
-    checkpoints = [str(runs.resolve() / arm / "checkpoints" / "last.pt") for arm in commands]
-    jobs = [[*job, *gate_overrides] for job in quality_pair_ladder(*checkpoints)]
-    return run_ladder(out, jobs, budget_s - (time.monotonic() - start), complete_baselines=False)
+    losses = write_curves(out, runs, commands, steps)
+    print(json.dumps(losses))
+    pairs = gated_pairs(runs, experiment)
+    jobs = [[*job, *gate_overrides] for pair in pairs.values() for job in quality_pair_ladder(*pair)]
+    left = run_ladder(out, jobs, budget_s - (time.monotonic() - start), complete_baselines=False)
+    write_verdict(out, pairs, losses)
+    return left

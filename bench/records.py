@@ -84,18 +84,29 @@ def baseline_key(row: dict[str, Any]) -> str:
     return json.dumps([row.get(k) for k in IDENTITY_FIELDS])
 
 
+def candidate_checkpoint(row: dict[str, Any]) -> str | None:
+    """The weights a gated row's candidate arm ran (``quality.candidate_checkpoint``); None: the reference's."""
+    return ((row.get("config") or {}).get("quality") or {}).get("candidate_checkpoint")
+
+
 def job_key(row: dict[str, Any]) -> str:
-    """Workload plus recipe stack and its non-default options: one job of a sweep (resumable runs
-    skip known keys). Rows without options keep the key they had before options were recorded."""
+    """Workload plus recipe stack, its non-default options and the candidate's weights when the gate compared two
+    checkpoints: one job of a sweep (resumable runs skip known keys). Rows without options or candidate weights
+    keep the key they had before those were recorded."""
     options = list(row.get("recipe_options") or [])
-    return json.dumps([baseline_key(row), list(row.get("recipes") or []), *([options] if options else [])])
+    candidate = candidate_checkpoint(row)
+    return json.dumps([baseline_key(row), list(row.get("recipes") or []), *([options] if options else []),
+                       *([{"candidate_checkpoint": candidate}] if candidate else [])])
 
 
 def recipe_label(row: dict[str, Any], baseline: str = "[] (fp32)") -> str:
-    """How tables name a row's stack: ``amp_bf16+compile``, options in brackets, ``baseline`` for none."""
+    """How tables name a row's stack: ``amp_bf16+compile``, options in brackets, ``baseline`` for none, and the
+    candidate's weights when the gate compared two checkpoints."""
     label = "+".join(row.get("recipes") or []) or baseline
     options = row.get("recipe_options") or []
-    return f"{label} [{', '.join(options)}]" if options else label
+    label = f"{label} [{', '.join(options)}]" if options else label
+    candidate = candidate_checkpoint(row)
+    return f"{label}, candidate weights {candidate}" if candidate else label
 
 
 def is_baseline(row: dict[str, Any]) -> bool:

@@ -214,6 +214,29 @@ def test_a_resumed_ladder_measures_each_workload_s_baseline_in_its_own_run(tmp_p
     assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0 and ran == []
 
 
+def test_two_checkpoints_gated_against_one_reference_are_each_measured_once(tmp_path, monkeypatch):
+    """Both rows are strict FP32 on one workload, told apart by the candidate's weights: neither is measured as the
+    other's baseline, and a resumed ladder measures only the one that is missing."""
+    from bench import ladder
+    from bench.records import RESULTS_FILE, append_row, candidate_checkpoint, read_rows
+
+    jobs = [job for c in ("stack.pt", "reseed.pt") for job in ladder.quality_pair_ladder("fp32.pt", c)]
+    ran: list[str] = []
+
+    def fake_run_job(job, job_dir, timeout):
+        ran.append(job["config"]["quality"]["candidate_checkpoint"])
+        return {**base_row(job), "status": "ok", "message": "", "ms_median": 1.0}
+
+    monkeypatch.setattr(ladder, "run_job", fake_run_job)
+    append_row(tmp_path / RESULTS_FILE, {**base_row(compose_job(jobs[1], tmp_path / "a")), "status": "ok"})
+    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
+    assert ran == ["stack.pt"] and [candidate_checkpoint(r) for r in read_rows(tmp_path)] == ["reseed.pt", "stack.pt"]
+    (tmp_path / RESULTS_FILE).unlink()
+    ran.clear()
+    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
+    assert ran == ["stack.pt", "reseed.pt"]
+
+
 def test_a_dirty_row_is_not_a_row_of_this_commit(tmp_path, monkeypatch):
     """``refresh=`` reruns a job unless this commit measured it on a clean tree: a row measured with uncommitted
     code changes is not this commit's measurement."""

@@ -1,5 +1,6 @@
-"""bench.quality_training: the quality model trained with strict FP32 and with an experiment's stack (same seed,
-data order and steps), its loss curves, and one gated row comparing the two EMA models."""
+"""bench.quality_training: the quality model trained with strict FP32, with an experiment's stack (same seed, data
+order and steps) and with strict FP32 on the next seed, its loss curves, the two gated rows (stack and training
+noise against FP32) and the training verdict between them."""
 
 import json
 from pathlib import Path
@@ -10,7 +11,15 @@ from omegaconf import OmegaConf
 
 from bench.ladder import compose_job, quality_pair_ladder
 from bench.ladder import run as run_ladder_command
-from bench.quality_training import compare_losses, split_overrides, training_commands
+from bench.quality_training import (
+    compare_losses,
+    gated_row,
+    split_overrides,
+    training_commands,
+    training_verdict,
+)
+from bench.records import job_key, recipe_label
+from bench.worker import base_row
 from med_ddpm.errors import ConfigError
 from med_ddpm.train import read_loss_log
 
@@ -33,12 +42,13 @@ def _train_config(argv):
         return OmegaConf.to_container(compose("train", overrides=argv[1:]), resolve=True)
 
 
-def test_the_pair_differs_only_by_fast_train_s_stack(tmp_path):
-    """The GPU command's two runs compose with the real configs: the quality model at batch 4 x 1, the same
-    seed, steps and data, fast_train's recipes with the options fast_train sets on them, and nothing else apart."""
+def test_the_arms_differ_only_by_fast_train_s_stack_or_the_seed(tmp_path):
+    """The GPU command's three runs compose with the real configs: the quality model at batch 4 x 1, the same
+    seed, steps and data, fast_train's recipes with the options fast_train sets on them, and nothing else apart;
+    the reseeded FP32 run differs from the FP32 run by the seed alone."""
     commands = training_commands(1000, "fast_train", tmp_path)
-    assert list(commands) == ["fp32", "fast_train"]
-    fp32, fast = (_train_config(argv) for argv in commands.values())
+    assert list(commands) == ["fp32", "fast_train", "fp32_reseed"]
+    fp32, fast, reseed = (_train_config(argv) for argv in commands.values())
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         shipped = OmegaConf.to_container(compose("train", overrides=["experiment=fast_train", "output_dir=."]).recipe)
     assert fast["recipe"] == shipped and "compile_cudagraphs" in fast["recipe"]
@@ -48,6 +58,14 @@ def test_the_pair_differs_only_by_fast_train_s_stack(tmp_path):
     assert fast["model"]["image_size"] == [64, 64, 64] and fast["resume"] == "auto"
     same = ("seed", "model", "data", "diffusion", "train")
     assert {k: fp32[k] for k in same} == {k: fast[k] for k in same}
+    assert (fp32["seed"], reseed["seed"]) == (0, 1) and reseed["output_dir"] == str(tmp_path / "fp32_reseed")
+    apart = ("seed", "output_dir")
+    assert {k: v for k, v in fp32.items() if k not in apart} == {k: v for k, v in reseed.items() if k not in apart}
+
+
+def test_a_seed_override_moves_the_reseeded_run_to_the_next_seed(tmp_path):
+    commands = training_commands(10, "fast_train", tmp_path, ["seed=5"])
+    assert [_train_config(commands[arm])["seed"] for arm in ("fp32", "fast_train", "fp32_reseed")] == [5, 5, 6]
 
 
 def test_overrides_are_routed_and_the_gate_job_composes(tmp_path):
@@ -72,12 +90,69 @@ def test_bad_options_are_one_line_errors(tmp_path):
         ladder(tmp_path, "quality_training.experiment=nope")
 
 
-def test_loss_comparison_is_paired_over_the_tail():
-    curves = {"fp32": ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.2]), "fast": ([1, 2, 3, 4], [1.0, 0.6, 0.4, 0.3])}
-    summary = compare_losses(curves, "fp32")
+def test_loss_comparison_is_paired_over_the_tail_and_not_for_the_reseeded_run():
+    curves = {"fp32": ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.2]), "fast": ([1, 2, 3, 4], [1.0, 0.6, 0.4, 0.3]),
+              "fp32_reseed": ([1, 2, 3, 4], [0.9, 0.5, 0.3, 0.25])}
+    summary = compare_losses(curves, "fp32", unpaired=("fp32_reseed",))
     assert summary["fp32"]["tail_mean_loss"] == pytest.approx(0.2)  # the last quarter: step 4
-    assert summary["fast"]["tail_mean_difference"] == pytest.approx(0.1)
+    assert summary["fast"]["tail_mean_difference"] == pytest.approx(0.1) and summary["fast"]["paired"]
     assert "tail_mean_difference" not in summary["fp32"]
+    assert summary["fp32_reseed"]["tail_mean_loss"] == pytest.approx(0.25)
+    assert not summary["fp32_reseed"]["paired"] and "tail_mean_difference" not in summary["fp32_reseed"]
+
+
+def gated(candidate, status="ok", **values):
+    """A row as the gate writes it: fp32's weights against ``candidate``'s, distribution checks set to ``values``."""
+    checks = {name: {"kind": "distribution", "value": value, "p_value": 0.5, "status": "pass"}
+              for name, value in values.items()}
+    checks["eps_noise"] = {"kind": "limit", "value": 0.2, "status": "fail"}
+    return {"status": status, "config": {"bench": {"checkpoint": "fp32.pt"}, "quality": {"candidate_checkpoint": candidate}},
+            "quality": {"verdict": "fail", "checks": checks}}
+
+
+LOSSES = {"tail_fraction": 0.25, "fp32": {"tail_mean_loss": 0.07}, "fast": {"tail_mean_loss": 0.069},
+          "fp32_reseed": {"tail_mean_loss": 0.072}}
+NOISE = {"histogram_w1_vs_ref": 0.08, "kid_vs_ref": 2e-5, "mmd_vs_ref": 0.5, "diversity_gap": 0.02}
+
+
+def test_a_stack_within_training_noise_passes():
+    stack = gated("fast.pt", histogram_w1_vs_ref=0.07, kid_vs_ref=-1e-5, mmd_vs_ref=0.5, diversity_gap=-0.015)
+    verdict = training_verdict(stack, gated("reseed.pt", **NOISE), LOSSES)
+    assert verdict["verdict"] == "pass" and verdict["why"] == "within training noise"
+    assert set(verdict["checks"]) == set(NOISE) and verdict["checks"]["kid_vs_ref"]["training_noise"]["value"] == 2e-5
+    assert verdict["weight_differences"] == {"eps_noise": {"stack": 0.2, "training_noise": 0.2}}  # reported only
+    assert verdict["tail_mean_loss"] == {"fp32": 0.07, "fast": 0.069, "fp32_reseed": 0.072}
+
+
+def test_a_stack_further_than_training_noise_fails_each_check_on_its_own():
+    stack = gated("fast.pt", histogram_w1_vs_ref=0.09, kid_vs_ref=1e-5, mmd_vs_ref=0.4, diversity_gap=-0.03)
+    verdict = training_verdict(stack, gated("reseed.pt", **NOISE), LOSSES)
+    assert verdict["verdict"] == "fail"
+    assert {n: c["verdict"] for n, c in verdict["checks"].items()} == {
+        "histogram_w1_vs_ref": "fail", "kid_vs_ref": "pass", "mmd_vs_ref": "pass", "diversity_gap": "fail"}
+    assert verdict["why"].startswith("histogram_w1_vs_ref: stack 0.09 vs training noise 0.08")
+    nan = gated("fast.pt", **{**NOISE, "kid_vs_ref": "nan"})  # JSON keeps a NaN as a string: never within noise
+    assert training_verdict(nan, gated("reseed.pt", **NOISE), LOSSES)["checks"]["kid_vs_ref"]["verdict"] == "fail"
+
+
+def test_without_the_training_noise_row_the_verdict_is_undecided():
+    rows = [gated("fast.pt", **NOISE), gated("reseed.pt", status="error", **NOISE)]
+    stack, noise = gated_row(rows, ("fp32.pt", "fast.pt")), gated_row(rows, ("fp32.pt", "reseed.pt"))
+    assert stack is rows[0] and noise is None and gated_row(rows, ("other.pt", "fast.pt")) is None
+    verdict = training_verdict(stack, noise, LOSSES)
+    assert verdict["verdict"] == "undecided" and "checks" not in verdict
+    assert "no gated training_noise row (fp32 vs fp32_reseed)" in verdict["why"] and "stack row" not in verdict["why"]
+    assert verdict["tail_mean_loss"]["fp32_reseed"] == 0.072
+
+
+def test_the_two_gated_rows_have_their_own_keys_and_labels(tmp_path):
+    rows = [base_row(compose_job(job, tmp_path / c)) for c in ("fast", "reseed")
+            for job in quality_pair_ladder("fp32.pt", f"{c}.pt")]
+    assert job_key(rows[0]) != job_key(rows[1])
+    assert [recipe_label(r) for r in rows] == ["[] (fp32), candidate weights fast.pt",
+                                               "[] (fp32), candidate weights reseed.pt"]
+    plain = {**rows[0], "config": {**rows[0]["config"], "quality": {"candidate_checkpoint": None}}}
+    assert job_key(plain) == json.dumps([json.loads(job_key(rows[0]))[0], []])  # other rows keep their key
 
 
 def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
@@ -87,28 +162,38 @@ def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_pair_trains_compares_and_gates(tmp_path):
+def test_tiny_arms_train_compare_and_gate(tmp_path):
     """Tiny model on the CPU, 4 steps each, quality_model's own stack (amp_bf16; fast_train's compiles for CUDA)."""
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = [f"quality_training.runs={runs}", "quality_training.steps=4", "quality_training.experiment=quality_model",
             "quality_training.overrides=[" + ",".join(f"'{o}'" for o in TINY) + "]"]
     assert ladder(out, *args) == 0
-    for arm in ("fp32", "quality_model"):
+    for arm in ("fp32", "quality_model", "fp32_reseed"):
         assert (runs / arm / "checkpoints" / "last.pt").exists() and (runs / arm / "checkpoints" / "step_0000004.pt").exists()
         logged = [json.loads(line) for line in (runs / arm / "loss.jsonl").read_text().splitlines()]
         assert [r["step"] for r in logged] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in logged)
     curves = json.loads((out / "loss_curves.json").read_text())
-    fp32, bf16 = curves["curves"]["fp32"]["loss"], curves["curves"]["quality_model"]["loss"]
+    fp32, bf16, reseed = (curves["curves"][arm]["loss"] for arm in ("fp32", "quality_model", "fp32_reseed"))
     assert fp32 != bf16 and bf16[0] == pytest.approx(fp32[0], rel=0.05)  # same weights, batch, t and eps at step 1
+    assert reseed[0] != fp32[0]  # other weights, batch, t and eps
     assert curves["summary"]["quality_model"]["tail_mean_difference"] == pytest.approx(bf16[-1] - fp32[-1])
+    assert "tail_mean_difference" not in curves["summary"]["fp32_reseed"]
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     training = json.loads((out / "training.json").read_text())
     assert training["quality_model"]["timings"]["steps"] == 4 and "recipe=[amp_bf16]" in training["quality_model"]["argv"]
-    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    quality = row["quality"]
-    assert row["status"] == "ok" and quality["verdict"] in ("pass", "warn", "fail") and quality["n_samples"] == 8
-    assert quality["checkpoints"] == {"reference": str(runs / "fp32" / "checkpoints" / "last.pt"),
-                                      "candidate": str(runs / "quality_model" / "checkpoints" / "last.pt")}
-    assert quality["paired"] and quality["metrics"]["eps_rel_l2"] > 0  # two different trained models
+    assert "seed=1" in training["fp32_reseed"]["argv"]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    weights = {arm: str(runs / arm / "checkpoints" / "last.pt") for arm in ("fp32", "quality_model", "fp32_reseed")}
+    assert [r["quality"]["checkpoints"] for r in rows] == [
+        {"reference": weights["fp32"], "candidate": weights["quality_model"]},
+        {"reference": weights["fp32"], "candidate": weights["fp32_reseed"]}]
+    for row in rows:
+        assert row["status"] == "ok" and row["quality"]["n_samples"] == 8 and row["quality"]["paired"]
+        assert row["quality"]["metrics"]["eps_rel_l2"] > 0  # two different trained models
+    verdict = json.loads((out / "training_verdict.json").read_text())
+    assert verdict["verdict"] in ("pass", "fail") and len(verdict["checks"]) == 4
+    assert verdict["checks"]["kid_vs_ref"]["stack"]["value"] == rows[0]["quality"]["checks"]["kid_vs_ref"]["value"]
+    assert verdict["checks"]["kid_vs_ref"]["training_noise"]["value"] == rows[1]["quality"]["checks"]["kid_vs_ref"]["value"]
+    assert verdict["tail_mean_loss"]["fp32_reseed"] == pytest.approx(reseed[-1])  # the last quarter: step 4
     assert ladder(out, *args) == 0  # resumable: nothing left, nothing rerun
-    assert len((out / "results.jsonl").read_text().splitlines()) == 1
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
