@@ -190,6 +190,13 @@ def gated_pairs(runs: Path, experiment: str) -> dict[str, tuple[str, str]]:
     return {"stack": (weights(REFERENCE), weights(experiment)), NOISE: (weights(REFERENCE), weights(RESEED))}
 
 
+def gate_jobs(pairs: dict[str, tuple[str, str]], runs: Path, overrides: Sequence[str] = ()) -> list[list[str]]:
+    """The ladder jobs of the gated pairs. They share the FP32 reference arm, so one reference cache (in ``runs``,
+    keyed by the reference's weights) serves both: its DDPM-250 samples are computed once."""
+    cache = f"quality.cache_dir={runs / 'gate_cache'}"
+    return [[*job, cache, *overrides] for pair in pairs.values() for job in quality_pair_ladder(*pair)]
+
+
 def gated_row(rows: list[dict[str, Any]], pair: tuple[str, str]) -> dict[str, Any] | None:
     """The latest row that gated ``pair`` (reference, candidate weights), or None when there is none or it failed."""
     found = [r for r in rows if candidate_checkpoint(r) == pair[1]
@@ -271,7 +278,7 @@ def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path
     losses = write_curves(out, runs, commands, steps)
     print(json.dumps(losses))
     pairs = gated_pairs(runs, experiment)
-    jobs = [[*job, *gate_overrides] for pair in pairs.values() for job in quality_pair_ladder(*pair)]
-    left = run_ladder(out, jobs, budget_s - (time.monotonic() - start), complete_baselines=False)
+    left = run_ladder(out, gate_jobs(pairs, runs, gate_overrides), budget_s - (time.monotonic() - start),
+                      complete_baselines=False)
     write_verdict(out, pairs, losses)
     return left

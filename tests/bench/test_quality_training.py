@@ -13,6 +13,8 @@ from bench.ladder import compose_job, quality_pair_ladder
 from bench.ladder import run as run_ladder_command
 from bench.quality_training import (
     compare_losses,
+    gate_jobs,
+    gated_pairs,
     gated_row,
     split_overrides,
     training_commands,
@@ -153,6 +155,15 @@ def test_the_two_gated_rows_have_their_own_keys_and_labels(tmp_path):
                                                "[] (fp32), candidate weights reseed.pt"]
     plain = {**rows[0], "config": {**rows[0]["config"], "quality": {"candidate_checkpoint": None}}}
     assert job_key(plain) == json.dumps([json.loads(job_key(rows[0]))[0], []])  # other rows keep their key
+
+
+def test_the_two_gates_share_one_reference_cache(tmp_path):
+    jobs = gate_jobs(gated_pairs(tmp_path, "fast_train"), tmp_path, ["quality.n_samples=64"])
+    configs = [compose_job(job, tmp_path / str(n))["config"]["quality"] for n, job in enumerate(jobs)]
+    assert {c["cache_dir"] for c in configs} == {str(tmp_path / "gate_cache")} and len(configs) == 2
+    assert [c["n_samples"] for c in configs] == [64, 64]
+    assert {c["candidate_checkpoint"] for c in configs} == {str(tmp_path / arm / "checkpoints" / "last.pt")
+                                                            for arm in ("fast_train", "fp32_reseed")}
 
 
 def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
