@@ -44,8 +44,8 @@ def test_a_loop_too_short_for_a_steady_state_reports_none(tmp_path):
 def test_timings_keep_what_torch_compile_spent(tmp_path):
     """Dynamo's counters grow by what a compiled call cost; timings.json carries them, so a first step's time
     splits into compiling and the rest."""
+    torch._dynamo.reset()  # clears Dynamo's counters too
     before = compile_phases().get("entire_frame_compile", 0.0)
-    torch._dynamo.reset()
     torch.compile(lambda x: torch.sin(x) * 2, backend="eager")(torch.ones(3))
     after = compile_phases()
     assert after["entire_frame_compile"] > before and set(after) <= {"entire_frame_compile", "backend_compile",
