@@ -105,8 +105,8 @@ def recipe_label(row: dict[str, Any], baseline: str = "[] (fp32)") -> str:
     label = "+".join(row.get("recipes") or []) or baseline
     options = row.get("recipe_options") or []
     label = f"{label} [{', '.join(options)}]" if options else label
-    candidate = candidate_checkpoint(row)
-    return f"{label}, candidate weights {candidate}" if candidate else label
+    candidate = candidate_checkpoint(row)  # its last three path parts: the run, checkpoints/, the file
+    return f"{label}, candidate weights {'/'.join(Path(candidate).parts[-3:])}" if candidate else label
 
 
 def is_baseline(row: dict[str, Any]) -> bool:

@@ -28,9 +28,11 @@ import torch
 from med_ddpm.utils import atomic_write_text
 
 TIMINGS_FILE = "timings.json"
-# torch.compile's own phase counters kept in timings.json: all of it, then AOTAutograd + Inductor, Inductor alone
-# (a loaded compile cache makes these small: Dynamo still traces), and waiting for Triton kernel compiles
-COMPILE_PHASES = ("entire_frame_compile", "backend_compile", "inductor_compile", "async_compile.wait")
+# torch.compile's own phase counters kept in timings.json: all of it (forward frames and the backward graphs compiled
+# at the first backward), the forward frames, the backward graphs, AOTAutograd + Inductor, Inductor alone (a loaded
+# compile cache makes these small: Dynamo still traces), and waiting for Triton kernel compiles
+COMPILE_PHASES = ("total_wall_time", "entire_frame_compile", "entire_backward_compile", "backend_compile",
+                  "inductor_compile", "async_compile.wait")
 
 
 def process_start_time() -> float:
@@ -52,7 +54,7 @@ def synchronize(device: torch.device) -> None:
 def compile_phases() -> dict[str, float]:
     """Seconds ``torch.compile`` spent in this process, per phase of :data:`COMPILE_PHASES` (Dynamo's counters,
     summed over every frame it compiled; empty when nothing was compiled). What a first step or volume took
-    beyond ``entire_frame_compile`` is the rest of its first run: cuDNN autotuning, CUDA-graph capture and the
+    beyond ``total_wall_time`` is the rest of its first run: cuDNN autotuning, CUDA-graph capture and the
     step itself."""
     utils = sys.modules.get("torch._dynamo.utils")  # loaded by torch.compile; not imported here if never used
     spent = getattr(utils, "calculate_time_spent", None)
