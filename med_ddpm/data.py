@@ -464,7 +464,7 @@ class NiftiPairDataset(Dataset):
         for record in self.records:
             record["prep"] = signature + "|" + "|".join(_file_stamp(p) for p in [*record["image"], record["mask"]])
         self.cache = resolve_cache(cache, len(self.records), variant, image_size)
-        self._data = _cached_dataset(self.records, transform, self.cache, cache_dir)
+        self._data = cached_dataset(self.records, transform, self.cache, cache_dir)
 
     @property
     def num_skipped(self) -> int:
@@ -532,7 +532,9 @@ def resolve_cache(cache: str, num_items: int, variant: Variant, image_size: Sequ
     return chosen
 
 
-def _cached_dataset(records: list[dict], transform: Compose, cache: str, cache_dir: str | Path | None) -> Dataset:
+def cached_dataset(records: Sequence, transform: Callable, cache: str, cache_dir: str | Path | None) -> Dataset:
+    """``records`` through ``transform`` (MONAI transforms: CacheDataset caches the deterministic ones), kept
+    where ``cache`` says: ``memory``, ``disk`` (in ``cache_dir``) or ``none`` (transformed at every read)."""
     from monai.data import CacheDataset, PersistentDataset
     from monai.data import Dataset as MonaiDataset
 

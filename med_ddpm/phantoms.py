@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from med_ddpm.data import BRATS_MODALITIES, get_variant, labels_to_cond, medddpm_slice_minmax, resolve_cache
+from med_ddpm.data import (
+    BRATS_MODALITIES,
+    cached_dataset,
+    get_variant,
+    labels_to_cond,
+    medddpm_slice_minmax,
+    resolve_cache,
+)
 from med_ddpm.errors import ConfigError, check_one_of
 from med_ddpm.volume_io import save_volume_like
 
@@ -140,11 +147,9 @@ class SyntheticPhantoms(Dataset):
         self.cache = resolve_cache(cache, self.num_volumes, self.variant, self.image_size)
         self._cached = None
         if self.cache == "memory":
-            from monai.data import CacheDataset
             from monai.transforms import Lambda  # a MONAI transform: CacheDataset caches only those
 
-            self._cached = CacheDataset(range(self.num_volumes), Lambda(self.generate), cache_rate=1.0,
-                                        num_workers=0, progress=False)
+            self._cached = cached_dataset(range(self.num_volumes), Lambda(self.generate), "memory", None)
 
     def __len__(self) -> int:
         return self.num_volumes
