@@ -211,10 +211,8 @@ def frozen_weights(checkpoint: Path) -> str:
 def gated_pairs(runs: Path, experiment: str) -> dict[str, tuple[str, str]]:
     """Row name -> (reference, candidate) EMA weights of the finished runs, by content: the stack's row and the
     training-noise row."""
-    def weights(arm: str) -> str:
-        return frozen_weights(runs / arm / "checkpoints" / "last.pt")
-
-    return {"stack": (weights(REFERENCE), weights(experiment)), NOISE: (weights(REFERENCE), weights(RESEED))}
+    weights = {arm: frozen_weights(runs / arm / "checkpoints" / "last.pt") for arm in (REFERENCE, experiment, RESEED)}
+    return {"stack": (weights[REFERENCE], weights[experiment]), NOISE: (weights[REFERENCE], weights[RESEED])}
 
 
 def gate_jobs(pairs: dict[str, tuple[str, str]], runs: Path, overrides: Sequence[str] = ()) -> list[list[str]]:
