@@ -14,7 +14,8 @@ Then:
   ``loss.jsonl``) overlaid, each with its mean over the last quarter of the steps. The stack's run sees FP32's
   samples, t and ε at every step, so its per-step difference from FP32 is paired; the reseeded run's is not;
 * ``<out>/training.json``: each run's command and ``timings.json`` (steady ms per step of each run; the runs may
-  come from several calls, so their ratio is not a same-run one);
+  come from several calls, so their ratio is not a same-run one); it and ``loss_curves.json`` carry the commit
+  (``git_sha``, ``dirty``) of the code that wrote them, as every row does;
 * two gated rows in ``<out>/results.jsonl`` (:func:`bench.ladder.quality_pair_ladder`): the FP32 run's EMA weights
   as the reference, the stack's (the stack row) and the reseeded run's (the training-noise row) as the candidate
   (``quality.candidate_checkpoint``, which names the row in its key and label), strict-FP32 DDPM with the same
@@ -62,7 +63,7 @@ from hydra import compose
 
 from bench.e2e import spawn
 from bench.ladder import experiment_stack, quality_pair_ladder, run_ladder
-from bench.records import RESULTS_FILE, candidate_checkpoint, read_rows
+from bench.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
 from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.cli import CONFIG_DIR, configs
 from med_ddpm.errors import ConfigError
@@ -182,14 +183,16 @@ def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: i
     """loss_curves.json / .png and training.json from the finished runs."""
     curves = {arm: read_loss_log(runs / arm) for arm in commands}
     summary = compare_losses(curves, REFERENCE, unpaired=(RESEED,))
+    code = provenance()
     atomic_write_text(out / "loss_curves.json", json.dumps(
-        {"summary": summary, "curves": {arm: {"step": s, "loss": v} for arm, (s, v) in curves.items()}}, indent=1))
-    plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each; the stack on FP32's seed and "
+        {"summary": summary, "curves": {arm: {"step": s, "loss": v} for arm, (s, v) in curves.items()}, **code},
+        indent=1))
+    plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each:\nthe stack on FP32's seed and "
                 "data order, the reseeded FP32 run on its own")
     timings = {arm: json.loads(p.read_text()) if (p := runs / arm / TIMINGS_FILE).exists() else None
                for arm in commands}
     atomic_write_text(out / "training.json", json.dumps(
-        {arm: {"argv": commands[arm], "timings": timings[arm]} for arm in commands}, indent=1))
+        {**{arm: {"argv": commands[arm], "timings": timings[arm]} for arm in commands}, **code}, indent=1))
     return summary
 
 

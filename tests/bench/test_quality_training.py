@@ -20,7 +20,7 @@ from bench.quality_training import (
     training_commands,
     training_verdict,
 )
-from bench.records import job_key, recipe_label
+from bench.records import job_key, provenance, recipe_label
 from bench.worker import base_row
 from med_ddpm.errors import ConfigError
 from med_ddpm.train import read_loss_log
@@ -227,6 +227,7 @@ def test_tiny_arms_train_compare_and_gate(tmp_path):
     training = json.loads((out / "training.json").read_text())
     assert training["quality_model"]["timings"]["steps"] == 4 and "recipe=[amp_bf16]" in training["quality_model"]["argv"]
     assert "seed=1" in training["fp32_reseed"]["argv"]
+    assert training["git_sha"] == curves["git_sha"] == provenance()["git_sha"]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     gated = [[Path(r["quality"]["checkpoints"][k]) for k in ("reference", "candidate")] for r in rows]
     assert [[w.parent.parent.name for w in pair] for pair in gated] == [["fp32", "quality_model"],
