@@ -119,10 +119,12 @@ def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
         run(timed=False)
 
 
-def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float) -> tuple[int | None, float, str]:
-    """Run ``python -m <argv>`` with its caches in ``cache_dir``; (exit code or None on timeout, wall s, log tail)."""
+def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
+          env_extra: Mapping[str, str] | None = None) -> tuple[int | None, float, str]:
+    """Run ``python -m <argv>`` with its caches in ``cache_dir`` (and ``env_extra`` set, e.g. the GPU it may see);
+    (exit code or None on timeout, wall s, log tail)."""
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
+    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"), **(env_extra or {}))
     start = time.time()
     with log.open("w") as out:
         try:

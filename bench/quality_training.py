@@ -39,7 +39,8 @@ docs/quality.md; a call cut by ``budget_s`` is finished by running the same comm
     python -m bench.ladder preset=quality_training out=bench/results/h200/quality/training budget_s=560
 
 Options (``quality_training.*`` in configs/ladder.yaml): ``steps`` (1000), ``experiment`` (fast_train), ``runs``
-(the three runs and their compile cache; default ``runs/quality_training``, git-ignored) and ``overrides``, a list
+(the three runs and their compile cache; default ``runs/quality_training``, git-ignored), ``gpus`` (1; N > 1
+trains the arms concurrently, one per GPU, :func:`train_arms`) and ``overrides``, a list
 of Hydra overrides: ``train.*`` go to the training runs, ``quality.*`` and ``bench.*`` to the gate, the rest
 (``model``, ``data``, ``diffusion``, ``sampler``, ``device``, ``seed``, ...) to both (a ``seed=`` there moves the
 reseeded run to that seed + 1). Resumable: a run is continued from its last checkpoint (``resume=auto``), a
@@ -52,10 +53,12 @@ import hashlib
 import json
 import math
 import os
+import queue
 import shutil
 import sys
 import time
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +115,34 @@ def training_commands(steps: int, experiment: str, runs: Path, overrides: Sequen
             for arm, stack in stacks.items()}
 
 
+def visible_gpus(count: int) -> list[str]:
+    """The first ``count`` GPUs this process may see, as CUDA_VISIBLE_DEVICES entries for the runs (the user's own
+    CUDA_VISIBLE_DEVICES, if set, picks which)."""
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < count:
+        raise ConfigError(f"quality_training.gpus={count}: this machine shows {found} CUDA GPU(s); pass "
+                          f"quality_training.gpus={max(found, 1)}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[:count] if visible else [str(i) for i in range(count)]
+
+
 def finished(run: Path, steps: int) -> bool:
     last = run / "checkpoints" / "last.pt"
     return last.exists() and int(read_checkpoint(last)["step"]) >= steps
 
 
-def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None) -> str:
-    """Run (or continue) one training run unless it is finished; its status: done | cut | error."""
+def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None, gpu: str | None = None) -> str:
+    """Run (or continue) one training run unless it is finished, on ``gpu`` (a CUDA_VISIBLE_DEVICES entry) when
+    given; its status: done | cut | error."""
     if finished(run, steps):
         return "done"
     run.mkdir(parents=True, exist_ok=True)
-    print(f"[train] {run.name}: to step {steps}, log in {run / 'train.log'}", flush=True)
-    code, wall, tail = spawn(argv, run.parent / "cache", run / "train.log", timeout_s)
+    print(f"[train] {run.name}: to step {steps}{'' if gpu is None else f' on GPU {gpu}'}, log in "
+          f"{run / 'train.log'}", flush=True)
+    code, wall, tail = spawn(argv, run.parent / "cache", run / "train.log", timeout_s,
+                             None if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})
     print(f"[train] {' '.join(argv[1:])}: {'timed out' if code is None else f'exit {code}'} after {wall:.0f} s",
           flush=True)
     if code is None:
@@ -132,6 +151,31 @@ def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None) -
         print(tail, file=sys.stderr)
         return "error"
     return "done"
+
+
+def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s: float = math.inf,
+               gpus: Sequence[str] = ()) -> dict[str, str]:
+    """Each arm's status (:func:`train_arm`), the arms started in order. With several ``gpus``
+    (CUDA_VISIBLE_DEVICES entries) they run concurrently, one per GPU, a GPU taking the next arm when its run
+    ends: three 1000-step runs take the time of the longest pair rather than of all three. Each run has a GPU of
+    its own, so its ms per step is its own; with none given they run one after another on the default device.
+    An arm that fails does not stop the others (its status says so)."""
+    start, free = time.monotonic(), queue.SimpleQueue()
+    for gpu in gpus or [None]:
+        free.put(gpu)
+
+    def one(arm: str) -> str:
+        gpu = free.get()
+        try:
+            remaining = budget_s - (time.monotonic() - start)
+            if remaining <= 0:
+                return "done" if finished(runs / arm, steps) else "cut"
+            return train_arm(commands[arm], runs / arm, steps, remaining if math.isfinite(remaining) else None, gpu)
+        finally:
+            free.put(gpu)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(gpus))) as pool:
+        return dict(zip(commands, pool.map(one, commands)))
 
 
 def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: str,
@@ -294,20 +338,20 @@ def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], losses: dict[str
 
 
 def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path = Path("runs/quality_training"),
-        budget_s: float = math.inf, overrides: Sequence[str] = ()) -> int:
-    """Train the three arms, write the loss curves, gate the stack's and the reseeded EMA models against FP32's and
-    write the training verdict; returns the steps left (0: done)."""
+        budget_s: float = math.inf, overrides: Sequence[str] = (), gpus: Sequence[str] = ()) -> int:
+    """Train the three arms (concurrently on ``gpus``, :func:`train_arms`), write the loss curves, gate the
+    stack's and the reseeded EMA models against FP32's and write the training verdict; returns the jobs left
+    (0: done)."""
     start = time.monotonic()
     train_overrides, gate_overrides = split_overrides(overrides)
     runs = runs.resolve()
     commands = training_commands(steps, experiment, runs, train_overrides)
-    for arm, argv in commands.items():
-        remaining = budget_s - (time.monotonic() - start)
-        timeout = remaining if math.isfinite(remaining) else None
-        status = train_arm(argv, runs / arm, steps, timeout) if remaining > 0 else "cut"
-        if status != "done":
-            print(f"quality_training: the {arm} run is not finished ({status}); rerun the same command to continue")
-            return 2 if status == "cut" else 1
+    statuses = train_arms(commands, runs, steps, budget_s, gpus)
+    unfinished = {arm: status for arm, status in statuses.items() if status != "done"}
+    for arm, status in unfinished.items():
+        print(f"quality_training: the {arm} run is not finished ({status}); rerun the same command to continue")
+    if unfinished:
+        return 1 if "error" in unfinished.values() else 2
     out.mkdir(parents=True, exist_ok=True)
     losses = write_curves(out, runs, commands, steps)
     print(json.dumps(losses))

@@ -3,12 +3,15 @@ order and steps) and with strict FP32 on the next seed, its loss curves, the two
 noise against FP32) and the training verdict between them."""
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import bench.quality_training as quality_training
 from bench.ladder import compose_job, quality_pair_ladder
 from bench.ladder import run as run_ladder_command
 from bench.quality_training import (
@@ -17,6 +20,7 @@ from bench.quality_training import (
     gated_pairs,
     gated_row,
     split_overrides,
+    train_arms,
     training_commands,
     training_verdict,
 )
@@ -91,6 +95,46 @@ def test_bad_options_are_one_line_errors(tmp_path):
         ladder(tmp_path, "quality_training.steps=many")
     with pytest.raises(ConfigError, match="quality_training.experiment=nope: no configs/experiment/nope.yaml"):
         ladder(tmp_path, "quality_training.experiment=nope")
+
+
+    with pytest.raises(ConfigError, match=r"quality_training.gpus=2: this machine shows 0 CUDA GPU\(s\)"):
+        ladder(tmp_path, "quality_training.gpus=2", "quality_training.steps=1")
+
+
+def _fake_arms(monkeypatch, fail=()):
+    """train_arm replaced by a 0.2 s sleep that records (arm, gpu, start, end) and fails the ``fail`` arms."""
+    calls, lock = [], threading.Lock()
+
+    def fake(argv, run, steps, timeout_s, gpu=None):
+        start = time.monotonic()
+        time.sleep(0.2)
+        with lock:
+            calls.append((run.name, gpu, start, time.monotonic()))
+        return "error" if run.name in fail else "done"
+
+    monkeypatch.setattr(quality_training, "train_arm", fake)
+    return calls
+
+
+def test_on_two_gpus_two_arms_train_at_once_each_on_its_own_gpu(monkeypatch, tmp_path):
+    calls = _fake_arms(monkeypatch)
+    statuses = train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4, gpus=["2", "5"])
+    assert statuses == {"fp32": "done", "fast_train": "done", "fp32_reseed": "done"}
+    runs = {arm: (gpu, start, end) for arm, gpu, start, end in calls}
+    assert {runs["fp32"][0], runs["fast_train"][0]} == {"2", "5"}  # the first two at once, one per GPU
+    assert abs(runs["fp32"][1] - runs["fast_train"][1]) < 0.15
+    first_free = min(runs["fp32"][2], runs["fast_train"][2])
+    assert runs["fp32_reseed"][1] >= first_free - 0.01  # the third waits for a free GPU
+    busy = [(s, e) for arm, (g, s, e) in runs.items() if g == runs["fp32_reseed"][0] and arm != "fp32_reseed"]
+    assert busy and runs["fp32_reseed"][1] >= busy[0][1] - 0.01  # never two runs on one GPU
+
+
+def test_without_gpus_the_arms_run_in_turn_and_a_failed_arm_does_not_stop_the_others(monkeypatch, tmp_path):
+    calls = _fake_arms(monkeypatch, fail=("fast_train",))
+    statuses = train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4)
+    assert statuses == {"fp32": "done", "fast_train": "error", "fp32_reseed": "done"}
+    assert [c[0] for c in calls] == ["fp32", "fast_train", "fp32_reseed"] and {c[1] for c in calls} == {None}
+    assert all(a[3] <= b[2] + 0.01 for a, b in zip(calls, calls[1:]))  # one after another
 
 
 def test_loss_comparison_is_paired_over_the_tail_and_not_for_the_reseeded_run():
