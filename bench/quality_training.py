@@ -157,8 +157,8 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
                gpus: Sequence[str] = ()) -> dict[str, str]:
     """Each arm's status (:func:`train_arm`), the arms started in order. With several ``gpus``
     (CUDA_VISIBLE_DEVICES entries) they run concurrently, one per GPU, a GPU taking the next arm when its run
-    ends: three 1000-step runs take the time of the longest pair rather than of all three. Each run has a GPU of
-    its own, so its ms per step is its own; with none given they run one after another on the default device.
+    ends: on three GPUs the three runs take the time of the longest one. Each run has a GPU of its own, so its
+    ms per step is its own; with none given they run one after another on the default device.
     An arm that fails does not stop the others (its status says so)."""
     start, free = time.monotonic(), queue.SimpleQueue()
     for gpu in gpus or [None]:
