@@ -234,7 +234,8 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     exactly as the quality preset gates it (batch N, the same reference cache): SDE-DPM-Solver++ 2M and 3M on the
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
     ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`), then restart sampling
-    (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``). Issue: 25 calls or fewer."""
+    (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``). The aim: a sampler that
+    passes at 25 calls or fewer."""
     gated = [*quality_model_gate("samplers", checkpoint), *GATED_SAMPLING, "experiment=fast_sample"]
     for steps in (25, 10, 50):
         for order in (2, 3):

@@ -32,7 +32,7 @@ message            why a job failed (empty when ok)
 ms_median/p10/p90  per-call wall time (ms) over ``iters`` timed calls after ``warmup``
 iqr_pct, ms_mean, ms_std, iters, warmup
 first_call_s       wall seconds of the first call (lazy init, autotune, compilation)
-compile_s          = first_call_s when the stack compiles (else null)
+compile_s          first_call_s less the median call when the stack compiles (else null)
 peak_mem_gib       ``torch.cuda.max_memory_allocated`` over the job (null on CPU)
 volumes_per_s, voxels_per_s
 flops              model FLOPs per call (``torch.utils.flop_counter`` on the meta device)

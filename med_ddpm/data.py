@@ -539,7 +539,7 @@ def cached_dataset(records: Sequence, transform: Callable, cache: str, cache_dir
     from monai.data import Dataset as MonaiDataset
 
     if cache == "memory":
-        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching mixed up a BraTS case's 4 image files
+        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching can mix up a BraTS case's 4 image files
     if cache == "disk":
         if not cache_dir:
             raise ConfigError("data.cache=disk needs data.cache_dir; pass data.cache_dir=FOLDER (for MONAI's "

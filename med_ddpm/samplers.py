@@ -334,9 +334,9 @@ class DPMSolverPPSampler(FewStepSampler):
     Why it exists: the ODE carries the model's ε error, amplified by σ_t/α_t into x̂₀ at high t,
     forward as image content, while fresh noise lets later, more accurate predictions wash it out.
     On the quality model (ε error ~3.5 % at t ≥ 200) the ODE samplers leave voxel noise that even
-    250 DDIM η = 0 steps keep, and failed the earlier N = 4 quality gate at 10-100 steps; the SDE
-    2M variant's voxel noise is at DDPM-250's level from 25 steps, and at 100 steps it passed that gate
-    (docs/results/history.md); the N >= 32 gate has not judged it, nor any 3M run, yet.
+    250 DDIM η = 0 steps keep, and fail an N = 4 quality gate at 10-100 steps; the SDE 2M variant's
+    voxel noise is at DDPM-250's level from 25 steps, and at 100 steps it passes the N = 32 gate
+    (docs/quality.md); fewer steps and 3M have no N = 32 verdict (docs/samplers.md).
     """
 
     sequential = True

@@ -42,8 +42,6 @@ ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 HYDRA_FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help"}
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 
-# Commands that are known to be stale, each with the work that fixes it (non-strict: they pass once fixed).
-
 
 @dataclass(frozen=True)
 class Command:

@@ -28,8 +28,8 @@ def args_for(tmp_path: Path) -> dict[str, str]:
 
 
 def test_every_e2e_job_is_a_command_that_composes(tmp_path):
-    """The ladder's e2e jobs are the README's commands: fast_train takes data.root (it did not) and trains
-    graphed at batch 2 without accumulation; fast_sample samples the masks it is given."""
+    """The ladder's e2e jobs are the README's commands: fast_train takes data.root and trains graphed at
+    batch 2 without accumulation; fast_sample samples the masks it is given."""
     rows = {}
     for n, job in enumerate(e2e_ladder()):
         own, overrides = split_job(job)
