@@ -1,4 +1,5 @@
-"""NIfTI datasets for Med-DDPM: discovery, up-front validation, MONAI preprocessing, caching.
+"""NIfTI datasets for Med-DDPM: up-front validation, MONAI preprocessing, caching (which files make a case:
+:mod:`med_ddpm.discovery`).
 
 Two on-disk layouts are supported, as documented in ``../shared/data/README.md`` and
 ``../shared/reference/BRATS.md``:
@@ -24,10 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from med_ddpm.discovery import Case, Pairing, list_brats_cases, list_pairs, nifti_stem
 from med_ddpm.errors import ConfigError, DataError, check_one_of
 
 if TYPE_CHECKING:
@@ -48,8 +49,6 @@ CACHE_MODES = ("auto", "none", "memory", "disk")
 MEMORY_CACHE_SHARE = 0.5  # cache=auto keeps the dataset in RAM when it takes at most this share of what is free
 BAD_FILE_MODES = ("error", "skip")
 SEG_LABEL_MODES = ("auto", "raw", "medddpm")
-BRATS_LAYOUTS = ("auto", "per_case", "per_modality")
-BRATS_MODALITIES = ("t1", "t1ce", "t2", "flair")  # target channel order of the original
 NIFTI_AXES_TO_MODEL = (0, 3, 2, 1)  # (C, i, j, k) -> (C, k, j, i); its own inverse
 
 
@@ -138,127 +137,6 @@ def medddpm_slice_minmax(image: torch.Tensor) -> torch.Tensor:
     span = x.amax(dim=(2, 3), keepdim=True) - lo
     span = torch.where(span == 0, torch.ones_like(span), span)  # sklearn's _handle_zeros_in_scale
     return ((x - lo) / span * 2 - 1).float()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Discovery: which files belong together
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One training example on disk: image files in channel order and the label-map file."""
-
-    name: str
-    images: tuple[Path, ...]
-    mask: Path
-
-
-@dataclass
-class Pairing:
-    """Result of scanning a data root.
-
-    Attributes:
-        pairs: complete cases, sorted by name.
-        orphan_masks: masks without an image: left out of training, still usable for sampling.
-        problems: (file or case, reason) for images that cannot be trained on (e.g. no mask).
-        ignored: NIfTI files whose names fit no pattern of the layout.
-    """
-
-    pairs: list[Case] = field(default_factory=list)
-    orphan_masks: list[Path] = field(default_factory=list)
-    problems: list[tuple[str, str]] = field(default_factory=list)
-    ignored: list[Path] = field(default_factory=list)
-
-
-def nifti_stem(path: Path) -> str:
-    """File name without ``.nii.gz`` / ``.nii``."""
-    name = path.name
-    return name[: -len(".nii.gz")] if name.endswith(".nii.gz") else name[: -len(".nii")]
-
-
-def _nifti_index(folder: Path) -> dict[str, Path]:
-    """Map stem -> path of the NIfTI files in ``folder`` (hidden files such as ``._x.nii.gz`` skipped)."""
-    index: dict[str, Path] = {}
-    if not folder.is_dir():
-        return index
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or not path.name.endswith((".nii", ".nii.gz")):
-            continue
-        stem = nifti_stem(path)
-        if stem in index:
-            raise DataError(f"{path}: clashes with {index[stem]} (two files for the name {stem!r})")
-        index[stem] = path
-    return index
-
-
-def _require_dir(path: Path, layout_hint: str) -> None:
-    if not path.is_dir():
-        raise DataError(f"{path}: no such folder ({layout_hint})")
-
-
-def list_pairs(root: str | Path) -> Pairing:
-    """Pair ``<root>/image/*.nii.gz`` with ``<root>/mask/*.nii.gz`` by file name, never by sort order."""
-    root = Path(root)
-    _require_dir(root / "image", "whole-head layout: <root>/image/*.nii.gz and <root>/mask/*.nii.gz")
-    images, masks = _nifti_index(root / "image"), _nifti_index(root / "mask")
-    pairing = Pairing(orphan_masks=[masks[n] for n in sorted(masks) if n not in images])
-    for name, image in images.items():
-        if name in masks:
-            pairing.pairs.append(Case(name, (image,), masks[name]))
-        else:
-            pairing.problems.append((str(image), f"image has no mask (expected {root / 'mask' / image.name})"))
-    return pairing
-
-
-_BRATS_FILE = re.compile(r"^(?P<case>.+)_(?P<kind>t1|t1ce|t2|flair|seg)$")
-
-
-def _brats_layout(root: Path, layout: str) -> str:
-    check_one_of("data.layout", layout, BRATS_LAYOUTS)
-    if layout != "auto":
-        return layout
-    modality_dirs = [(root / m).is_dir() for m in (*BRATS_MODALITIES, "seg")]
-    return "per_modality" if any(modality_dirs) else "per_case"
-
-
-def list_brats_cases(root: str | Path, layout: str = "auto") -> Pairing:
-    """Group BraTS files by case ID (``<case>_<modality>.nii.gz``) in either layout."""
-    root = Path(root)
-    _require_dir(root, "BraTS root: one folder per case, or t1/ t1ce/ t2/ flair/ seg/ folders")
-    files: dict[str, dict[str, Path]] = {}
-    ignored: list[Path] = []
-    if _brats_layout(root, layout) == "per_modality":
-        folders = [(kind, root / kind) for kind in (*BRATS_MODALITIES, "seg")]
-    else:
-        folders = [(None, d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")]
-    for expected_kind, folder in folders:
-        for stem, path in _nifti_index(folder).items():
-            match = _BRATS_FILE.match(stem)
-            ok = match and (match["kind"] == expected_kind if expected_kind else match["case"] == folder.name)
-            if not ok:
-                ignored.append(path)
-                continue
-            files.setdefault(match["case"], {})[match["kind"]] = path
-    pairing = _classify_brats(files)
-    pairing.ignored = ignored
-    return pairing
-
-
-def _classify_brats(files: dict[str, dict[str, Path]]) -> Pairing:
-    pairing = Pairing()
-    for case in sorted(files):
-        found = files[case]
-        missing = [m for m in BRATS_MODALITIES if m not in found]
-        if "seg" not in found:
-            pairing.problems.append((f"case {case}", f"images {sorted(found)} have no seg mask"))
-        elif len(missing) == len(BRATS_MODALITIES):
-            pairing.orphan_masks.append(found["seg"])
-        elif missing:
-            pairing.problems.append((f"case {case}", f"seg {found['seg']} lacks modalities {missing}"))
-        else:
-            pairing.pairs.append(Case(case, tuple(found[m] for m in BRATS_MODALITIES), found["seg"]))
-    return pairing
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from med_ddpm import cli
-from med_ddpm.data import nifti_stem, read_volume
+from med_ddpm.data import read_volume
+from med_ddpm.discovery import nifti_stem
 from med_ddpm.errors import ConfigError, DataError, check_choice, check_int
 from med_ddpm.features import FeatureExtractor
 from med_ddpm.metrics import MAE, MSSSIM, PSNR, SSIM, frechet_distance

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from med_ddpm.data import (
-    BRATS_MODALITIES,
     cached_dataset,
     get_variant,
     labels_to_cond,
     medddpm_slice_minmax,
     resolve_cache,
 )
+from med_ddpm.discovery import BRATS_MODALITIES
 from med_ddpm.errors import ConfigError, check_one_of
 from med_ddpm.volume_io import save_volume_like
 

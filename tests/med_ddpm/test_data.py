@@ -20,11 +20,10 @@ from med_ddpm.data import (
     build_dataset,
     dataset_bytes,
     labels_to_cond,
-    list_brats_cases,
-    list_pairs,
     load_condition,
     medddpm_slice_minmax,
 )
+from med_ddpm.discovery import list_brats_cases, list_pairs
 from med_ddpm.errors import ConfigError, DataError
 from med_ddpm.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
 
