@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 STEP_FLAG = "--profiled-step"  # python -m bench.counters --profiled-step JOB.json: the program ncu runs
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 CENSUS_METRIC = "gpu__time_duration.sum"  # the census pass's one metric: one replay pass per launch
+SMEM_METRIC = "launch__shared_mem_per_block_dynamic"  # part of a launch configuration; a launch attribute, no pass
+MIN_COVERAGE = 0.99  # a per-config sample whose configurations hold less of the census's kernel time is refused
 SUMMED = ("duration_ns", "sm_cycles", "inst_executed", "inst_fma", "inst_alu", "inst_lsu", "inst_hmma", "inst_gmma")
 TIME_WEIGHTED = ("tensor_pipe_pct", "hmma_pipe_pct", "dram_pct", "l2_pct", "occupancy_pct")
 FIELDS = (*SUMMED, "ipc", *TIME_WEIGHTED)
@@ -99,8 +101,9 @@ def category(name: str) -> str:
 
 # ---------------------------------------------------------------------------- aggregation
 def launch_config(launch: Mapping[str, Any]) -> str:
-    """A launch's configuration as the raw page prints it: kernel name, grid and block size."""
-    return " ".join(str(launch.get(k, "")) for k in ("Kernel Name", "Grid Size", "Block Size"))
+    """A launch's configuration as the raw page prints it: kernel name, grid and block size, dynamic shared memory
+    (read under ``counters.sample=per_config``; the rest of a kernel's shared memory is fixed by its name)."""
+    return " ".join(str(launch.get(k, "")) for k in ("Kernel Name", "Grid Size", "Block Size", SMEM_METRIC))
 
 
 def launch_values(launch: Mapping[str, Any], metrics: Mapping[str, str | None],
@@ -187,21 +190,34 @@ def weigh(launches: list[dict], census: list[tuple[str, float]]) -> tuple[list[d
     launches of their configuration the census pass counted, a configuration's count shared among its profiled
     launches; and what that sampling rests on.
 
-    A launch configuration (kernel, grid, block) does the same work at every launch, so its counters are taken
-    as those of the launch profiled. ``coverage`` is the share of the census's kernel time whose configuration was
-    profiled (below 1 when the profiled run was cut); ``duration_ratio`` sets the weighted profiled kernel time
-    against the census's, the check on that assumption (1: the profiled launches stand for theirs exactly)."""
+    A launch configuration (kernel, grid, block, dynamic shared memory) does the same work at every launch, so
+    its counters are taken as those of the launch profiled. ``coverage`` is the share of the census's kernel time
+    whose configuration was profiled: below 1 when the profiled run did not profile a configuration the census
+    counted (ncu keyed its configurations otherwise, or the two runs launched different kernels, e.g. after
+    autotuning); ``unmatched_launches`` are profiled launches of a configuration the census never saw, left out.
+    ``duration_ratio`` sets the weighted profiled kernel time against the census's time of the same
+    configurations: the check on the assumption (1: the profiled launches stand for theirs exactly)."""
     counts, seconds = Counter(k for k, _ in census), defaultdict(float)
     for key, ns in census:
         seconds[key] += ns
     profiled = Counter(x["config"] for x in launches)
     weighted = [{**x, "weight": counts[x["config"]] / profiled[x["config"]]} for x in launches if counts[x["config"]]]
-    total = sum(seconds.values())
+    total, covered = sum(seconds.values()), sum(seconds[k] for k in profiled if k in seconds)
     estimate = sum((x.get("duration_ns") or 0) * x["weight"] for x in weighted)
     return weighted, {"mode": "per_config", "census_launches": len(census), "configurations": len(counts),
-                      "profiled_launches": len(launches),
-                      "coverage": sum(seconds[k] for k in profiled if k in seconds) / total if total else None,
-                      "duration_ratio": estimate / total if total else None}
+                      "profiled_launches": len(launches), "unmatched_launches": len(launches) - len(weighted),
+                      "coverage": covered / total if total else None,
+                      "duration_ratio": estimate / covered if covered else None}
+
+
+def sampling_problem(sampling: Mapping[str, Any]) -> str | None:
+    """Why a per-config sample cannot stand for the step (its totals would be short), or None."""
+    coverage = sampling["coverage"]
+    if coverage is None or coverage < MIN_COVERAGE:
+        return (f"the per-config sample covers {'none' if coverage is None else f'{coverage:.1%}'} of the census's "
+                f"kernel time (under {MIN_COVERAGE:.0%}; {sampling['unmatched_launches']} profiled launches matched "
+                "no census configuration): its totals would be short; use counters.sample=all")
+    return None
 
 
 def summarise(launches: list[dict], rules: list[dict] | None, steps: int, top_stalls: int) -> dict[str, Any]:
@@ -316,7 +332,7 @@ def take_census(ncu_path: str, program: list[str], report: Path, c: Mapping[str,
                 timeout_s: float) -> tuple[list[tuple[str, float]] | None, dict[str, Any]]:
     """``counters.sample=per_config``'s first pass: every launch in the range with one metric, its time (one
     replay pass, so cheap), read as (configuration, ns) per launch; or None and the failed row's fields."""
-    cmd = ncu.profile_command(ncu_path, [CENSUS_METRIC], report, program, nvtx_range=c["range"],
+    cmd = ncu.profile_command(ncu_path, [CENSUS_METRIC, SMEM_METRIC], report, program, nvtx_range=c["range"],
                               kernel_filter=c["kernel_filter"])
     run = ncu.run(cmd, timeout_s, report.with_name(f"{report.stem}.ncu.log"))
     fields: dict[str, Any] = {"census_command": cmd, "census_wall_s": run.wall_s}
@@ -326,6 +342,9 @@ def take_census(ncu_path: str, program: list[str], report: Path, c: Mapping[str,
     raw, _units = ncu.parse_raw(page(ncu_path, report, "raw", timeout_s, c["keep_report"]))
     if not c["keep_report"]:
         report.unlink()
+    if not raw:
+        return None, {**fields, "status": "error", "message": f"census pass: no kernel launch inside NVTX range "
+                      f"{c['range']!r} was counted (kernel_filter={c['kernel_filter']}); see {report.stem}.ncu.log"}
     return [(launch_config(x), x.get(CENSUS_METRIC) or 0.0) for x in raw], fields
 
 
@@ -345,10 +364,14 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
         if census is None:
             return fields
     metrics = [m for m in c["metrics"].values() if m] + [STALL_METRIC.format(r) for r in c["stalls"]]
+    metrics += [SMEM_METRIC] if census is not None else []
+    left = timeout_s - (time.monotonic() - start)
+    if left <= 0:
+        return {**fields, "status": "error", "message": f"the census pass took all of counters.timeout_s={timeout_s:.0f} "
+                "s: raise counters.timeout_s"}
     cmd = ncu.profile_command(ncu_path, metrics, report, program, nvtx_range=c["range"],
                               sections=c["sections"] if c["rules"] else (), kernel_filter=c["kernel_filter"],
                               max_kernels=c["max_kernels"], per_config=census is not None)
-    left = timeout_s - (time.monotonic() - start)
     run = ncu.run(cmd, left, out / f"{name}.ncu.log")
     passes = ncu.replay_passes(run.log)
     fields.update(ncu_command=cmd, ncu_wall_s=run.wall_s, replay_passes=median(passes) if passes else None)
@@ -369,16 +392,19 @@ def read_report(ncu_path: str, report: Path, c: Mapping[str, Any], timeout_s: fl
     if not launches:
         return {"status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} was profiled "
                 f"(kernel_filter={c['kernel_filter']}); see {report.stem}.ncu.log"}
-    sampling = None
+    sampling, problem = None, None
     if census is not None:
         launches, sampling = weigh(launches, census)
+        problem = sampling_problem(sampling)
     rules = ncu.parse_rules(page(ncu_path, report, "details", timeout_s, keep)) if c["rules"] else None
     if not keep:
         report.unlink()
+    if not launches:
+        return {"status": "error", "message": problem, "sampling": sampling}
     table = report.with_name(f"{report.stem}_kernels.csv")
     atomic_write_text(table, kernel_table(launches))
-    return {"status": "ok", "message": "", "kernels_csv": table.name, "sampling": sampling,
-            "counters": summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))}
+    return {"status": "error" if problem else "ok", "message": problem or "", "kernels_csv": table.name,
+            "sampling": sampling, "counters": summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))}
 
 
 def page(ncu_path: str, report: Path, kind: str, timeout_s: float, keep: bool) -> str:

@@ -88,8 +88,10 @@ def profile_command(ncu: str, metrics: Sequence[str], report: Path, program: Seq
                     max_kernels: int | None = None, per_config: bool = False) -> list[str]:
     """The profiling run: counters of every kernel launched inside the NVTX start/end range
     ``nvtx_range`` (a process range, so kernels launched by autograd's device thread count too),
-    clocks left as they are, exported to ``report`` (``.ncu-rep``). ``per_config``: only the first
-    launch of each launch configuration (kernel, grid, block, shared memory) is profiled."""
+    clocks left as they are, exported to ``report`` (``.ncu-rep``). ``per_config``: ncu counts launches
+    separately per launch configuration (grid, block and shared memory size, in its manual's words) and
+    profiles the first of each; :func:`bench.counters.weigh` checks against a census that this covered every
+    configuration of every kernel."""
     cmd = [ncu, "--clock-control", "none", "--target-processes", "application-only", "--nvtx",
            "--nvtx-include", nvtx_range, "--metrics", ",".join(metrics)]
     for section in sections:

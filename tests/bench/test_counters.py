@@ -14,6 +14,7 @@ import shlex
 import stat
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ elif mode == "bad_metric":
     print("==ERROR== Failed to find metric smsp__no_such_metric.sum")
     sys.exit(1)
 else:  # ok, no_kernels
-    census = args[args.index("--metrics") + 1] == "gpu__time_duration.sum"
+    census = args[args.index("--metrics") + 1] == "gpu__time_duration.sum,launch__shared_mem_per_block_dynamic"
     open(args[args.index("--export") + 1], "w").write("census" if census else "report")
     print('==PROF== Profiling "k" - 0: 0%....50%....100% - 9 passes')
     print('==PROF== Profiling "k" - 1: 0%....50%....100% - 11 passes')
@@ -211,10 +212,11 @@ def test_collect_reads_the_report_and_writes_the_kernel_table(fake_ncu, tmp_path
     assert not list(out.glob("*.ncu-rep")) and not list(out.glob("*_raw.csv"))  # counters.keep_report=false
 
 
-def census_page(tmp_path, repeats: dict[int, int]) -> Path:
-    """The raw fixture as a census page: launch ``i`` repeated ``repeats[i]`` times (same configuration)."""
+def census_page(tmp_path, repeats: dict[int, int], extra: Sequence[str] = ()) -> Path:
+    """The raw fixture as a census page: launch ``i`` repeated ``repeats[i]`` times (same configuration), then the
+    ``extra`` rows."""
     header, units, *rows = RAW.splitlines()[1:]
-    lines = [row for i, row in enumerate(rows) for _ in range(repeats.get(i, 1))]
+    lines = [row for i, row in enumerate(rows) for _ in range(repeats.get(i, 1))] + list(extra)
     path = tmp_path / "census.csv"
     path.write_text("\n".join([header, units, *lines]) + "\n")
     return path
@@ -228,10 +230,12 @@ def test_per_config_sampling_weights_each_profiled_launch_by_its_configuration_s
                               timeout_s=60)
     assert fields["status"] == "ok" and every["sampling"] is None
     census, cmd = fields["census_command"], fields["ncu_command"]
-    assert census[census.index("--metrics") + 1] == counters.CENSUS_METRIC and "--filter-mode" not in census
+    assert census[census.index("--metrics") + 1] == f"{counters.CENSUS_METRIC},{counters.SMEM_METRIC}"
+    assert "--filter-mode" not in census and counters.SMEM_METRIC in cmd[cmd.index("--metrics") + 1]
     assert cmd[cmd.index("--filter-mode") + 1] == "per-launch-config" and cmd[cmd.index("--launch-count") + 1] == "1"
     assert fields["sampling"] == {"mode": "per_config", "census_launches": 12, "configurations": 9,
-                                  "profiled_launches": 9, "coverage": 1.0, "duration_ratio": 1.0}
+                                  "profiled_launches": 9, "unmatched_launches": 0, "coverage": 1.0,
+                                  "duration_ratio": 1.0}
     overall, base = fields["counters"]["overall"], every["counters"]["overall"]
     assert overall["launches"] == 12 and base["launches"] == 9
     assert overall["duration_ns"] == sum(DURATIONS) + 2 * DURATIONS[0] + DURATIONS[2]
@@ -260,6 +264,40 @@ def test_weighing_a_sample_reproduces_the_totals_of_every_launch():
     partial, sampling = counters.weigh(launches[1:], census)
     missed = sum(d for c, d in census if c == launches[0]["config"]) / sum(d for _, d in census)
     assert sampling["coverage"] == pytest.approx(1 - missed) and len(partial) == len(launches) - 1
+
+
+def test_a_configuration_profiled_twice_shares_its_count_and_an_unknown_one_is_left_out():
+    launches = values(job()["config"])
+    twice = [launches[0], dict(launches[0], id="99", duration_ns=200_000.0), *launches[1:]]
+    census = [(x["config"], x["duration_ns"]) for x in launches for _ in range(4)]
+    weighted, sampling = counters.weigh([*twice, dict(launches[1], config="never counted")], census)
+    assert [x["weight"] for x in weighted[:3]] == [2.0, 2.0, 4.0]  # 4 launches of config 0 over its 2 profiled
+    assert sampling["unmatched_launches"] == 1 and sampling["profiled_launches"] == len(launches) + 2
+    assert counters.totals(weighted)["launches"] == len(census)
+    # config 0's two profiled launches (400 and 200 us) stand for 4 launches of 400 us: 1.2 ms for 1.6 ms
+    assert sampling["duration_ratio"] == pytest.approx(1 - 400_000 / (4 * sum(DURATIONS)))
+
+
+def test_a_sample_missing_census_time_is_an_error_row_not_short_totals(fake_ncu, tmp_path, monkeypatch):
+    first = RAW.splitlines()[3]
+    missing = first.replace('"0","4711"', '"50","4711"', 1).replace("sm90_xmma_fprop", "sm90_xmma_other_fprop", 1)
+    monkeypatch.setenv("FAKE_NCU_CENSUS", str(census_page(tmp_path, {}, [missing])))
+    fields = counters.collect(job("counters.sample=per_config"), tmp_path, fake_ncu, timeout_s=60)
+    assert fields["status"] == "error" and fields["sampling"]["coverage"] < counters.MIN_COVERAGE
+    covered = sum(DURATIONS) / (sum(DURATIONS) + DURATIONS[0])  # the census has one more 400 us kernel
+    assert fields["message"].startswith(f"the per-config sample covers {covered:.1%} of the census's kernel time")
+    assert fields["message"].endswith("its totals would be short; use counters.sample=all")
+    row = {**base_row(job("counters.sample=per_config")), **fields}
+    assert counter_claims.workloads([row]) == {}  # an error row never enters the claim table
+
+
+def test_an_empty_census_is_an_error_row(fake_ncu, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NCU_CENSUS", str(census_page(tmp_path, dict.fromkeys(range(9), 0))))
+    fields = counters.collect(job("counters.sample=per_config"), tmp_path, fake_ncu, timeout_s=60)
+    assert (fields["status"], fields["message"]) == ("error", "census pass: no kernel launch inside NVTX range "
+                                                     "'counters' was counted (kernel_filter=None); see "
+                                                     f"{counters.file_slug(job())}_census.ncu.log")
+    assert "ncu_command" not in fields
 
 
 def test_a_failed_census_is_an_error_row_that_names_the_pass(fake_ncu, tmp_path, monkeypatch):
