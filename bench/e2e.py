@@ -42,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,15 +123,20 @@ def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
 def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
           env_extra: Mapping[str, str] | None = None) -> tuple[int | None, float, str]:
     """Run ``python -m <argv>`` with its caches in ``cache_dir`` (and ``env_extra`` set, e.g. the GPU it may see);
-    (exit code or None on timeout, wall s, log tail)."""
+    (exit code or None on timeout, wall s, log tail). The command runs in its own process group, so a timeout
+    kills its compile and data-loader workers with it, and no orphan keeps a GPU busy."""
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"), **(env_extra or {}))
+    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
+    env.update(env_extra or {})
     start = time.time()
     with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
-            code = subprocess.run([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                  timeout=timeout_s).returncode
+            code: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = None
     return code, time.time() - start, log.read_text(errors="replace")[-STDERR_TAIL:]
 

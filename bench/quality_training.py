@@ -13,9 +13,10 @@ Then:
 * ``<out>/loss_curves.json`` and ``loss_curves.png``: the three runs' logged training loss (each run's
   ``loss.jsonl``) overlaid, each with its mean over the last quarter of the steps. The stack's run sees FP32's
   samples, t and ε at every step, so its per-step difference from FP32 is paired; the reseeded run's is not;
-* ``<out>/training.json``: each run's command and ``timings.json`` (steady ms per step of each run; the runs may
-  come from several calls, so their ratio is not a same-run one); it and ``loss_curves.json`` carry the commit
-  (``git_sha``, ``dirty``) of the code that wrote them, as every row does;
+* ``<out>/training.json``: per run (``arms``) its command, ``timings.json`` (steady ms per step; the runs may
+  come from several calls, so their ratio is not a same-run one) and ``starts.json`` (the commit of the code
+  that trained, and the GPU, at every start); it and ``loss_curves.json`` carry the commit (``git_sha``,
+  ``dirty``) of the code that wrote them, as every row does;
 * two gated rows in ``<out>/results.jsonl`` (:func:`bench.ladder.quality_pair_ladder`): the FP32 run's EMA weights
   as the reference, the stack's (the stack row) and the reseeded run's (the training-noise row) as the candidate
   (``quality.candidate_checkpoint``, which names the row in its key and label), strict-FP32 DDPM with the same
@@ -80,6 +81,7 @@ NOISE = "training_noise"  # the row that gates RESEED against REFERENCE
 TWO_SIDED = ("diversity_gap",)  # the gate tests it two-sided (med_ddpm.gate): its magnitude is the distance
 PAIRED = {"stack": f"{REFERENCE} vs the stack", NOISE: f"{REFERENCE} vs {RESEED}"}  # what each gated row compares
 VERDICT_FILE = "training_verdict.json"
+STARTS_FILE = "starts.json"  # in each run's folder: every (re)start's commit and GPU
 NOTE = ("one draw of training noise (one reseeded FP32 run): a pass means no check moved further from FP32 than one "
         "retraining did; a check beyond that one draw is not evidence of harm (a harmless stack lands there about "
         "half the time), hence inconclusive. The paired and eps checks between two trained models measure how far "
@@ -133,12 +135,22 @@ def finished(run: Path, steps: int) -> bool:
     return last.exists() and int(read_checkpoint(last)["step"]) >= steps
 
 
+def record_start(run: Path, gpu: str | None) -> None:
+    """Append this start of the run to ``<run>/starts.json``: the commit of the code that trains (a run resumed
+    in a later call may run other code) and the GPU it was given (set: the arms trained at once, one per GPU)."""
+    path = run / STARTS_FILE
+    starts = json.loads(path.read_text()) if path.exists() else []
+    atomic_write_text(path, json.dumps([*starts, {**provenance(), "gpu": gpu,
+                                                  "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]))
+
+
 def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None, gpu: str | None = None) -> str:
     """Run (or continue) one training run unless it is finished, on ``gpu`` (a CUDA_VISIBLE_DEVICES entry) when
     given; its status: done | cut | error."""
     if finished(run, steps):
         return "done"
     run.mkdir(parents=True, exist_ok=True)
+    record_start(run, gpu)
     print(f"[train] {run.name}: to step {steps}{'' if gpu is None else f' on GPU {gpu}'}, log in "
           f"{run / 'train.log'}", flush=True)
     code, wall, tail = spawn(argv, run.parent / "cache", run / "train.log", timeout_s,
@@ -157,8 +169,9 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
                gpus: Sequence[str] = ()) -> dict[str, str]:
     """Each arm's status (:func:`train_arm`), the arms started in order. With several ``gpus``
     (CUDA_VISIBLE_DEVICES entries) they run concurrently, one per GPU, a GPU taking the next arm when its run
-    ends: on three GPUs the three runs take the time of the longest one. Each run has a GPU of its own, so its
-    ms per step is its own; with none given they run one after another on the default device.
+    ends: on three GPUs the three runs take the time of the longest one. Each run has a GPU of its own (the CPU
+    is shared), and ``starts.json`` records which; with none given they run one after another on the default
+    device.
     An arm that fails does not stop the others (its status says so)."""
     start, free = time.monotonic(), queue.SimpleQueue()
     for gpu in gpus or [None]:
@@ -233,10 +246,12 @@ def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: i
         indent=1))
     plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each:\nthe stack on FP32's seed and "
                 "data order, the reseeded FP32 run on its own")
-    timings = {arm: json.loads(p.read_text()) if (p := runs / arm / TIMINGS_FILE).exists() else None
-               for arm in commands}
-    atomic_write_text(out / "training.json", json.dumps(
-        {**{arm: {"argv": commands[arm], "timings": timings[arm]} for arm in commands}, **code}, indent=1))
+    def read(arm: str, name: str) -> Any:
+        return json.loads(p.read_text()) if (p := runs / arm / name).exists() else None
+
+    arms = {arm: {"argv": commands[arm], "timings": read(arm, TIMINGS_FILE), "starts": read(arm, STARTS_FILE)}
+            for arm in commands}
+    atomic_write_text(out / "training.json", json.dumps({"arms": arms, **code}, indent=1))
     return summary
 
 
@@ -340,8 +355,8 @@ def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], losses: dict[str
 def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path = Path("runs/quality_training"),
         budget_s: float = math.inf, overrides: Sequence[str] = (), gpus: Sequence[str] = ()) -> int:
     """Train the three arms (concurrently on ``gpus``, :func:`train_arms`), write the loss curves, gate the
-    stack's and the reseeded EMA models against FP32's and write the training verdict; returns the jobs left
-    (0: done)."""
+    stack's and the reseeded EMA models against FP32's and write the training verdict. Returns the gate jobs
+    left (0: done), or before the gates 1 when a run failed and 2 when the budget cut one."""
     start = time.monotonic()
     train_overrides, gate_overrides = split_overrides(overrides)
     runs = runs.resolve()

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.e2e import command, report, run, sample_split, split_job, train_split, workload
+from bench.e2e import command, report, run, sample_split, spawn, split_job, train_split, workload
 from bench.ladder import e2e_args, e2e_ladder
 from bench.records import read_rows
 from med_ddpm.errors import ConfigError
@@ -113,3 +114,28 @@ def test_a_warm_compile_cache_reaches_the_training_loop(tmp_path):
     assert (cold["compile_cache"], warm["compile_cache"]) == ("cold", "warm")
     assert len(list((tmp_path / "cache").rglob("train-*.bin"))) == 1
     assert not (tmp_path / "jobs" / "e2e_01" / "prime.log").exists()  # the cold job's cache was reused
+
+
+def running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (killed, waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_timed_out_command_is_killed_with_its_workers(tmp_path):
+    """spawn's timeout kills the command's whole process group: a worker it started does not outlive it."""
+    (tmp_path / "sleeper.py").write_text(
+        "import subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(tmp_path / 'worker.pid')!r}, 'w').write(str(worker.pid))\n"
+        "time.sleep(60)\n")
+    code, wall, _ = spawn(["sleeper"], tmp_path / "cache", tmp_path / "run.log", timeout_s=3,
+                          env_extra={"PYTHONPATH": str(tmp_path)})
+    assert code is None and wall < 30
+    worker = int((tmp_path / "worker.pid").read_text())
+    deadline = time.time() + 10
+    while running(worker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not running(worker)
