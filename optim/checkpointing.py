@@ -10,7 +10,7 @@ under AMP) and supports keyword arguments and inputs that do not require grad, s
 ``ResBlock.forward(x, emb)``. Checkpointing is skipped when autograd is off (sampling).
 
 Example:
-    >>> apply_checkpointing(model, "all")    # BraTS 192x192x144, batch 1: < 16 GiB with AMP + fused GroupNorm
+    >>> apply_checkpointing(model, "all")    # BraTS 192x192x144 under 16 GiB: configs/experiment/brats.yaml's memory stack
 """
 
 from __future__ import annotations

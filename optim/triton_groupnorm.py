@@ -1,8 +1,8 @@
 """Triton GroupNorm(+SiLU) forward that fills the GPU at batch 1 (split reduction, two passes).
 
 PyTorch's GroupNorm statistics kernel launches one block per (sample, group): N x G = 32 blocks
-at batch 1 on a 132-SM GPU, each reducing Cg·D·H·W ≈ 4 M elements at 128³, which dominates an
-eager bf16 step's GPU time. Here every (n, g) group is split over ``SPLIT`` programs:
+at batch 1 on a 132-SM GPU, each reducing Cg·D·H·W ≈ 4 M elements at 128³: the largest share of
+an eager bf16 step's GPU time. Here every (n, g) group is split over ``SPLIT`` programs:
 
 1. ``_partial_stats``: each program reduces one chunk to (count, mean, M2) with tile-wise
    Welford/Chan merging (numerically stable, unlike sum/sum-of-squares, for 4 M elements);
