@@ -227,6 +227,7 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterato
 # Restart sampling on the 13-step quadratic main pass (t_min is one of its points), 25 model calls each:
 # (t_min, t_max, restarts, restart_steps); the first is configs/sampler/restart.yaml's.
 RESTARTS = ((28, 111, 2, 6), (16, 85, 3, 4), (62, 173, 2, 6))
+SA_ORDERS = (2, 3)  # SA-Solver's predictor and corrector orders, on configs/sampler/sa_solver.yaml's quadratic grid
 
 
 def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
@@ -234,7 +235,8 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     exactly as the quality preset gates it (batch N, the same reference cache): SDE-DPM-Solver++ 2M and 3M on the
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
     ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`), then restart sampling
-    (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``). The aim: a sampler that
+    (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``), then SA-Solver
+    (:mod:`med_ddpm.sa_solver`, τ = 1) at 25 and 10 calls with predictor and corrector of order 2 and 3. The aim: a sampler that
     passes at 25 calls or fewer."""
     gated = [*quality_model_gate("samplers", checkpoint), *GATED_SAMPLING, "experiment=fast_sample"]
     for steps in (25, 10, 50):
@@ -247,6 +249,10 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
         for t_min, t_max, restarts, restart_steps in RESTARTS:
             yield [*gated, "sampler=restart", "sampler.steps=13", f"sampler.variant={variant}", f"sampler.t_min={t_min}",
                    f"sampler.t_max={t_max}", f"sampler.restarts={restarts}", f"sampler.restart_steps={restart_steps}"]
+    for steps in (25, 10):
+        for order in SA_ORDERS:
+            yield [*gated, "sampler=sa_solver", "~sampler.variant", f"sampler.steps={steps}",  # variant: fast_sample's
+                   f"sampler.predictor_order={order}", f"sampler.corrector_order={order}"]
 
 
 def smoke_ladder(best: Stack) -> Iterator[Job]:

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -464,7 +465,7 @@ class DEISSampler(FewStepSampler):
         return StepOutput(prev, pred_x0)
 
 
-SAMPLERS: dict[str, type[Sampler]] = {  # med_ddpm.restart adds "restart", which wraps the few-step ones
+SAMPLERS: dict[str, type[Sampler]] = {  # med_ddpm.restart adds "restart" (it wraps these), med_ddpm.sa_solver "sa_solver"
     "ddpm": DDPMSampler,
     "ddim": DDIMSampler,
     "dpm_solver_pp": DPMSolverPPSampler,
@@ -476,9 +477,14 @@ def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, 
     """Sampler by config name, with its timesteps set (``steps`` defaults to T, or to the length of an
     explicit ``timesteps`` grid)."""
     import med_ddpm.restart  # noqa: F401  registers "restart" (it imports this module)
+    import med_ddpm.sa_solver  # noqa: F401  registers "sa_solver" (likewise)
 
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
+    params = inspect.signature(SAMPLERS[name]).parameters
+    unknown = [] if any(p.kind is p.VAR_KEYWORD for p in params.values()) else sorted(set(kwargs) - set(params))
+    if unknown:  # typically set by an experiment for another sampler (fast_sample's sampler.variant)
+        raise ValueError(f"sampler.{unknown[0]} is not an option of {name}; drop it with ~sampler.{unknown[0]}")
     sampler = SAMPLERS[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
     if steps is not None:
         sampler.set_timesteps(steps)

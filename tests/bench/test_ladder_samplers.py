@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bench.experiments.step_search import sampler_snippet
-from bench.ladder import RESTARTS, compose_job, ladder_jobs
+from bench.ladder import RESTARTS, SA_ORDERS, compose_job, ladder_jobs
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
 from med_ddpm.diffusion import NoiseSchedule
@@ -31,12 +31,12 @@ def searched_grid():
     path.unlink()
 
 
-def test_samplers_preset_gates_2m_3m_the_searched_grids_and_restarts(tmp_path, searched_grid):
+def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(tmp_path, searched_grid):
     configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs(tmp_path))]
     assert all(c["bench"]["quality"] and c["bench"]["scenario"] == "full_sample" and c["bench"]["batch_size"] == 32
                for c in configs)
     assert {c["quality"]["cache_dir"] for c in configs} == {str(tmp_path / "gate_cache")}  # preset=quality's
-    samplers = [c["sampler"] for c in configs if c["sampler"]["name"] != "restart"]
+    samplers = [c["sampler"] for c in configs if c["sampler"]["name"] not in ("restart", "sa_solver")]
     assert all(s["name"] == "dpm_solver_pp" and s["variant"] == "sde" for s in samplers)
     grid = {(s["steps"], s["order"], s["spacing"]) for s in samplers if s["timesteps"] is None}
     assert grid == {(n, o, sp) for n in (10, 25, 50) for o in (2, 3) for sp in ("trailing", "quadratic")}
@@ -53,6 +53,10 @@ def test_samplers_preset_gates_2m_3m_the_searched_grids_and_restarts(tmp_path, s
     assert "restart" in {r["sampler"] for _, r in restarts}  # configs/sampler/restart.yaml as is
     schedule = NoiseSchedule.from_config(configs[0]["diffusion"])
     assert all(len(sampler_from_config(c["sampler"], schedule).timesteps) == 25 for c, _ in restarts)
+    sa = [(c["sampler"], r) for c, r in zip(configs, rows) if c["sampler"]["name"] == "sa_solver"]
+    assert {(s["steps"], s["predictor_order"], s["corrector_order"], s["tau"]) for s, _ in sa} == {
+        (n, o, o, 1.0) for n in (25, 10) for o in SA_ORDERS}
+    assert all(len(sampler_from_config(s, schedule).timesteps) == r["steps"] for s, r in sa)
 
 
 def test_samplers_preset_needs_the_checkpoint(tmp_path):
