@@ -90,10 +90,8 @@ class SASolverSampler(FewStepSampler):
         return out + std * noise if noise is not None else out
 
     def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
-        k = self._index(t)
-        pred_x0 = self._x0(x_t, model_output, k)
-        if k == self.num_inference_steps - 1:  # σ_{t'} = 0: x_{t'} = x̂₀
-            self.reset_history()
+        k, pred_x0, last = self._multistep_start(model_output, t, x_t)
+        if last:
             return StepOutput(pred_x0, pred_x0)
         x0s = [pred_x0, *self._x0s]
         if self._previous is not None and self.corrector_order:  # redo the step that led here, now with x̂₀_k

@@ -258,6 +258,16 @@ class FewStepSampler(Sampler):
         x0 = (x_t - self.sigma[k] * eps) / self.alpha[k]
         return x0.clamp(-1.0, 1.0) if self.clip_denoised else x0
 
+    def _multistep_start(self, model_output: torch.Tensor, t: int | torch.Tensor,
+                         x_t: torch.Tensor) -> tuple[int, torch.Tensor, bool]:
+        """(k, x̂₀, last) of a multistep solver's step: on the last step, to σ = 0 where x_{t'} = x̂₀ (the
+        lower-order final step), the history is reset for the next chain."""
+        k = self._index(t)
+        last = k == self.num_inference_steps - 1
+        if last:
+            self.reset_history()
+        return k, self._x0(x_t, model_output, k), last
+
 
 class DDIMSampler(FewStepSampler):
     """DDIM (Song et al. 2021, eq. 12), with σ_t(η) of eq. 16; η = 0 is the deterministic ODE sampler.
@@ -376,10 +386,8 @@ class DPMSolverPPSampler(FewStepSampler):
         return self.sigma[k + 1] * math.sqrt(-math.expm1(-2 * (self.lam[k + 1] - self.lam[k])))
 
     def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
-        k = self._index(t)
-        pred_x0 = self._x0(x_t, model_output, k)
-        if k == self.num_inference_steps - 1:  # σ_{t'} = 0: x_{t'} = x̂₀
-            self.reset_history()
+        k, pred_x0, last = self._multistep_start(model_output, t, x_t)
+        if last:
             return StepOutput(pred_x0, pred_x0)
         h = self.lam[k + 1] - self.lam[k]
         decay = self.sigma[k + 1] / self.sigma[k] * (1.0 if self.variant == "ode" else math.exp(-h))
@@ -452,10 +460,8 @@ class DEISSampler(FewStepSampler):
         self._eps: list[torch.Tensor] = []  # newest first
 
     def step(self, model_output, t, x_t, *, noise=None, generator=None) -> StepOutput:
-        k = self._index(t)
-        pred_x0 = self._x0(x_t, model_output, k)
-        if k == self.num_inference_steps - 1:  # ρ_{t'} = 0: y_{t'} = y_t − ρ_t·ε = x̂₀
-            self.reset_history()
+        k, pred_x0, last = self._multistep_start(model_output, t, x_t)
+        if last:  # ρ_{t'} = 0: y_{t'} = y_t − ρ_t·ε = x̂₀
             return StepOutput(pred_x0, pred_x0)
         eps = (x_t - self.alpha[k] * pred_x0) / self.sigma[k] if self.clip_denoised else model_output
         self._eps = [eps, *self._eps][: self.order]
