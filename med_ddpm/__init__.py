@@ -29,6 +29,7 @@ _EXPORTS = {
     "DPMSolverPPSampler": "samplers",
     "DEISSampler": "samplers",
     "RestartSampler": "restart",
+    "SASolverSampler": "sa_solver",
     "build_sampler": "samplers",
     "sample": "samplers",
 }

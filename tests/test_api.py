@@ -17,6 +17,7 @@ API = {
     "Sampler": "med_ddpm.samplers", "DDPMSampler": "med_ddpm.samplers", "DDIMSampler": "med_ddpm.samplers",
     "DPMSolverPPSampler": "med_ddpm.samplers", "DEISSampler": "med_ddpm.samplers",
     "RestartSampler": "med_ddpm.restart",
+    "SASolverSampler": "med_ddpm.sa_solver",
     "build_sampler": "med_ddpm.samplers", "sample": "med_ddpm.samplers",
 }
 
