@@ -227,7 +227,7 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterato
 # Restart sampling on the 13-step quadratic main pass (t_min is one of its points), 25 model calls each:
 # (t_min, t_max, restarts, restart_steps); the first is configs/sampler/restart.yaml's.
 RESTARTS = ((28, 111, 2, 6), (16, 85, 3, 4), (62, 173, 2, 6))
-SA_ORDERS = (2, 3)  # SA-Solver's predictor and corrector orders, on configs/sampler/sa_solver.yaml's quadratic grid
+SA_ORDERS = (2, 3)  # SA-Solver's predictor and corrector orders
 
 
 def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
@@ -249,10 +249,10 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
         for t_min, t_max, restarts, restart_steps in RESTARTS:
             yield [*gated, "sampler=restart", "sampler.steps=13", f"sampler.variant={variant}", f"sampler.t_min={t_min}",
                    f"sampler.t_max={t_max}", f"sampler.restarts={restarts}", f"sampler.restart_steps={restart_steps}"]
-    for steps in (25, 10):
+    for steps, spacing in (25, "quadratic"), (10, "trailing"):  # the grid each did best with on the CPU toy
         for order in SA_ORDERS:
             yield [*gated, "sampler=sa_solver", "~sampler.variant", f"sampler.steps={steps}",  # variant: fast_sample's
-                   f"sampler.predictor_order={order}", f"sampler.corrector_order={order}"]
+                   f"sampler.spacing={spacing}", f"sampler.predictor_order={order}", f"sampler.corrector_order={order}"]
 
 
 def smoke_ladder(best: Stack) -> Iterator[Job]:

@@ -25,7 +25,7 @@ import torch
 
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.errors import ConfigError, check_int_value, check_one_of
-from med_ddpm.samplers import SAMPLERS, FewStepSampler, Sampler, StepOutput
+from med_ddpm.samplers import SAMPLERS, FewStepSampler, Sampler, StepOutput, check_options
 
 BASES = ("ddim", "dpm_solver_pp", "deis")
 
@@ -68,6 +68,7 @@ class RestartSampler(Sampler):
         self.restarts, self.restart_steps = restarts, restart_steps
         ac = schedule.alphas_cumprod.detach().double().cpu()
         self.ratio = float(ac[t_max] / ac[t_min])  # r² = ᾱ_{t_max}/ᾱ_{t_min}
+        check_options(base, base_options)
         self.main: FewStepSampler = SAMPLERS[base](schedule, **base_options)
         segment_options = {k: v for k, v in base_options.items() if k not in ("spacing", "timesteps")}
         self.segment: FewStepSampler = SAMPLERS[base](

@@ -2,8 +2,8 @@
 
 A stochastic multistep predictor-corrector in the data-prediction form. The reverse SDEs of a VP diffusion form
 a family with noise scale τ (τ = 0: the probability-flow ODE; τ = 1: the reverse SDE that SDE-DPM-Solver++
-solves), and for a constant τ on a step from s to t the variation-of-constants solution is (Xue et al., eq. 13,
-with c = 1 + τ² and λ = log α − log σ)
+solves), and for a constant τ on a step from s to t the variation-of-constants solution is (Xue et al., the
+data-prediction form; c = 1 + τ² and λ = log α − log σ)
 
     x_t = (σ_t/σ_s)·e^{−τ²h}·x_s + σ_t·e^{−τ²λ_t}·∫_{cλ_s}^{cλ_t} e^{v}·x̂₀(v/c) dv + σ_t·√(1 − e^{−2τ²h})·ξ,
 
@@ -17,8 +17,9 @@ h = λ_t − λ_s. The integral is taken exactly over the Lagrange polynomial in
   model call: the next prediction starts from the corrected point with the x̂₀ the model gave at the predicted
   one (the UniPC trick, Zhao et al. 2023).
 
-τ = 0 without the corrector is the exponential-integrator ODE solver of DPM-Solver++(3M) here; τ = 1 with
-``predictor_order=1`` and no corrector is SDE-DPM-Solver++(1). Fresh noise washes out the model's ε error at
+With ``predictor_order=1`` and no corrector, τ = 0 is DPM-Solver++(1) and τ = 1 SDE-DPM-Solver++(1), step for
+step; with ``predictor_order=3`` it integrates the same quadratic as DPM-Solver++(3M) from the third step on (the
+second integrates the line through two x̂₀ exactly, where DPM-Solver++(2M) uses its 1/(2r) form). Fresh noise washes out the model's ε error at
 high t as in SDE-DPM-Solver++ (docs/samplers.md), and the corrector raises the order of each step by one on a
 smooth problem. The last step goes to σ = 0 and returns x̂₀, as the other few-step solvers do.
 """
@@ -45,7 +46,8 @@ class SASolverSampler(FewStepSampler):
     def __init__(self, schedule: NoiseSchedule, tau: float = 1.0, predictor_order: int = 2, corrector_order: int = 2,
                  clip_denoised: bool = True, spacing: str = "trailing", timesteps: Sequence[int] | None = None):
         if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 <= tau <= 2:
-            raise ValueError(f"sampler.tau for sa_solver must be a number in [0, 2]; got {tau!r}")
+            raise ValueError(f"sampler.tau={tau!r}: must be a number in [0, 2]; pass sampler.tau=X with X in [0, 2] "
+                             "(1: the reverse SDE)")
         self.tau = float(tau)
         self.predictor_order = check_int_value("sampler.predictor_order", predictor_order, 1, MAX_ORDER)
         self.corrector_order = check_int_value("sampler.corrector_order", corrector_order, 0, MAX_ORDER,
@@ -55,7 +57,6 @@ class SASolverSampler(FewStepSampler):
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         super().set_timesteps(num_inference_steps)
-        self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]
         last = num_inference_steps - 1  # step `last` returns x̂₀: no update is built for it
         # step k: predict k -> k+1 extrapolating from x̂₀_k; correct k-1 -> k interpolating up to x̂₀_k
         self._predict = [self._update(k, k + 1, k, min(self.predictor_order, k + 1)) for k in range(last)]

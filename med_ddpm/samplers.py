@@ -190,7 +190,7 @@ def explicit_timesteps(timesteps: Sequence[Any], num_train_timesteps: int) -> to
 
 
 class FewStepSampler(Sampler):
-    """Base of the samplers that skip training steps (DDIM, DPM-Solver++, DEIS).
+    """Base of the samplers that skip training steps (DDIM, DPM-Solver++, DEIS, SA-Solver).
 
     ``set_timesteps`` builds float64 tables of ᾱ on the grid, with ᾱ = 1 (clean data) appended
     as the target of the last step, so step k maps x at ``timesteps[k]`` to x at the next grid
@@ -225,6 +225,7 @@ class FewStepSampler(Sampler):
         self.abar = [float(ac[t]) for t in self.timesteps] + [1.0]
         self.alpha = [math.sqrt(a) for a in self.abar]  # α_t = √ᾱ_t
         self.sigma = [math.sqrt(1.0 - a) for a in self.abar]  # σ_t = √(1 − ᾱ_t)
+        self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]  # λ = log α/σ
         self._position = {int(t): k for k, t in enumerate(self.timesteps)}
         self.rewind()
 
@@ -364,7 +365,6 @@ class DPMSolverPPSampler(FewStepSampler):
 
     def set_timesteps(self, num_inference_steps: int) -> None:
         super().set_timesteps(num_inference_steps)
-        self.lam = [0.5 * (math.log(a) - math.log1p(-a)) if a < 1 else math.inf for a in self.abar]
         third = range(2, num_inference_steps - 1) if self.order == 3 else ()
         self._third = {k: self._third_order_weights(k) for k in third}
 
@@ -479,6 +479,19 @@ SAMPLERS: dict[str, type[Sampler]] = {  # med_ddpm.restart adds "restart" (it wr
 }
 
 
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """Refuse the options sampler ``name`` does not take, typically set by an experiment for another sampler
+    (``experiment=fast_sample`` sets ``sampler.variant``), with the override that drops them. A sampler that
+    passes options on (``restart``, to its base) checks them there."""
+    params = inspect.signature(SAMPLERS[name]).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(options) - (set(params) - {"schedule"}))
+    if unknown:
+        raise ValueError(f"{', '.join(f'sampler.{k}' for k in unknown)}: not an option of {name}; drop "
+                         f"{'it' if len(unknown) == 1 else 'them'} with {' '.join(f'~sampler.{k}' for k in unknown)}")
+
+
 def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, **kwargs) -> Sampler:
     """Sampler by config name, with its timesteps set (``steps`` defaults to T, or to the length of an
     explicit ``timesteps`` grid)."""
@@ -487,10 +500,7 @@ def build_sampler(name: str, schedule: NoiseSchedule, steps: int | None = None, 
 
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; known: {sorted(SAMPLERS)}")
-    params = inspect.signature(SAMPLERS[name]).parameters
-    unknown = [] if any(p.kind is p.VAR_KEYWORD for p in params.values()) else sorted(set(kwargs) - set(params))
-    if unknown:  # typically set by an experiment for another sampler (fast_sample's sampler.variant)
-        raise ValueError(f"sampler.{unknown[0]} is not an option of {name}; drop it with ~sampler.{unknown[0]}")
+    check_options(name, kwargs)
     sampler = SAMPLERS[name](schedule, **kwargs)  # its timesteps are set: T steps or the explicit grid
     if steps is not None:
         sampler.set_timesteps(steps)

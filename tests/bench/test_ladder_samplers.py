@@ -54,8 +54,8 @@ def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(t
     schedule = NoiseSchedule.from_config(configs[0]["diffusion"])
     assert all(len(sampler_from_config(c["sampler"], schedule).timesteps) == 25 for c, _ in restarts)
     sa = [(c["sampler"], r) for c, r in zip(configs, rows) if c["sampler"]["name"] == "sa_solver"]
-    assert {(s["steps"], s["predictor_order"], s["corrector_order"], s["tau"]) for s, _ in sa} == {
-        (n, o, o, 1.0) for n in (25, 10) for o in SA_ORDERS}
+    assert {(s["steps"], s["spacing"], s["predictor_order"], s["corrector_order"], s["tau"]) for s, _ in sa} == {
+        (n, spacing, o, o, 1.0) for n, spacing in ((25, "quadratic"), (10, "trailing")) for o in SA_ORDERS}
     assert all(len(sampler_from_config(s, schedule).timesteps) == r["steps"] for s, r in sa)
 
 
