@@ -55,7 +55,7 @@ from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from bench.worker import base_row
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
+from med_ddpm.errors import ConfigError, check_one_of
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 
@@ -112,7 +112,7 @@ def launch_values(launch: Mapping[str, Any], metrics: Mapping[str, str | None],
     had no value or the field is switched off) and its stall reasons (cycles per issued instruction)."""
     name = str(launch.get("Kernel Name", ""))
     values: dict[str, Any] = {"kernel": name, "category": category(name), "id": str(launch.get("ID", "")),
-                              "config": launch_config(launch), "weight": 1.0}
+                              "config": launch_config(launch)}
     values.update({field: launch.get(metric) if metric else None for field, metric in metrics.items()})
     values["stalls"] = {r: launch.get(STALL_METRIC.format(r)) for r in stalls
                         if launch.get(STALL_METRIC.format(r)) is not None}
@@ -277,8 +277,7 @@ def check_options(c: Mapping[str, Any]) -> None:
     if unknown:
         raise ConfigError(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
                          f"use one of {', '.join(FIELDS)}")
-    if c["sample"] not in ("all", "per_config"):
-        raise ConfigError(f"counters.sample={c['sample']}: must be all or per_config")
+    check_one_of("counters.sample", c["sample"], ("all", "per_config"))
     if c["sample"] == "per_config" and c["max_kernels"]:
         raise ConfigError(f"counters.max_kernels={c['max_kernels']} cuts the census that counters.sample=per_config "
                           "weights by; pass counters.max_kernels=null or counters.sample=all")

@@ -23,9 +23,9 @@ Then:
   masks and noise, so only the weights differ. The weights are gated under names holding a digest of their bytes
   (:func:`frozen_weights`): a row gated before a run was retrained does not stand for the new weights;
 * ``<out>/training_verdict.json`` (printed too): per distribution check of the gate (intensity histogram W1, KID,
-  MMD, diversity gap), the stack row's value and p-value beside the training-noise row's, and ``pass`` (within
-  training noise) when the stack's statistic is no further from the reference than the reseeded model's (the
-  magnitude for the two-sided diversity gap), else ``further``. The verdict is ``pass`` when every check is
+  MMD, diversity gap), the stack row's value and p-value beside the training-noise row's, and ``within`` (training
+  noise) when the stack's statistic is no further from the reference than the reseeded model's (the magnitude for
+  the two-sided diversity gap), else ``further``. The verdict is ``pass`` when every check is
   within, else ``inconclusive``, never ``fail``: with ONE draw of training noise (one reseed) a harmless stack
   lands beyond that draw on a given check about half the time, so only a pass carries information (the stack
   moved the samples no further than one retraining did). The reseeded run also starts from other weights and
@@ -246,6 +246,7 @@ def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: i
         indent=1))
     plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each:\nthe stack on FP32's seed and "
                 "data order, the reseeded FP32 run on its own")
+
     def read(arm: str, name: str) -> Any:
         return json.loads(p.read_text()) if (p := runs / arm / name).exists() else None
 

@@ -60,7 +60,11 @@ def check_int_value(key: str, value: Any, low: int, high: int | None = None, mea
 
 def check_number(cfg: DictConfig, key: str, low: float, high: float = math.inf, low_open: bool = False) -> float:
     """``cfg.<key>`` must be a finite number in [low, high] (``(low, high]`` when ``low_open``)."""
-    value = _value(cfg, key)
+    return check_number_value(key, _value(cfg, key), low, high, low_open)
+
+
+def check_number_value(key: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> float:
+    """``value`` (option ``key``) must be a finite number in [low, high] (``(low, high]`` when ``low_open``)."""
     span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < low or (low_open and value == low) or value > high:

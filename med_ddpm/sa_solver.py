@@ -19,9 +19,9 @@ h = λ_t − λ_s. The integral is taken exactly over the Lagrange polynomial in
 
 With ``predictor_order=1`` and no corrector, τ = 0 is DPM-Solver++(1) and τ = 1 SDE-DPM-Solver++(1), step for
 step; with ``predictor_order=3`` it integrates the same quadratic as DPM-Solver++(3M) from the third step on (the
-second integrates the line through two x̂₀ exactly, where DPM-Solver++(2M) uses its 1/(2r) form). Fresh noise washes out the model's ε error at
-high t as in SDE-DPM-Solver++ (docs/samplers.md), and the corrector raises the order of each step by one on a
-smooth problem. The last step goes to σ = 0 and returns x̂₀, as the other few-step solvers do.
+second integrates the line through two x̂₀ exactly, where DPM-Solver++(2M) uses its 1/(2r) form). Fresh noise
+washes out the model's ε error at high t as in SDE-DPM-Solver++ (docs/samplers.md), and the corrector raises the
+order of each step by one on a smooth problem. The last step goes to σ = 0 and returns x̂₀, as the other few-step solvers do.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import check_int_value
+from med_ddpm.errors import check_int_value, check_number_value
 from med_ddpm.samplers import SAMPLERS, FewStepSampler, StepOutput, lagrange_exp_weights
 
 MAX_ORDER = 3
@@ -45,10 +45,7 @@ class SASolverSampler(FewStepSampler):
 
     def __init__(self, schedule: NoiseSchedule, tau: float = 1.0, predictor_order: int = 2, corrector_order: int = 2,
                  clip_denoised: bool = True, spacing: str = "trailing", timesteps: Sequence[int] | None = None):
-        if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 <= tau <= 2:
-            raise ValueError(f"sampler.tau={tau!r}: must be a number in [0, 2]; pass sampler.tau=X with X in [0, 2] "
-                             "(1: the reverse SDE)")
-        self.tau = float(tau)
+        self.tau = check_number_value("sampler.tau", tau, 0.0, 2.0)
         self.predictor_order = check_int_value("sampler.predictor_order", predictor_order, 1, MAX_ORDER)
         self.corrector_order = check_int_value("sampler.corrector_order", corrector_order, 0, MAX_ORDER,
                                                " (0: no corrector)")

@@ -406,7 +406,7 @@ def test_bad_counter_options_end_with_one_line():
         counters.check_options({**c, "metrics": {**c["metrics"], "cycles": "sm__cycles_elapsed.max"}})
     with pytest.raises(ConfigError, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
-    with pytest.raises(ConfigError, match=r"^counters.sample=some: must be all or per_config$"):
+    with pytest.raises(ConfigError, match=r"^counters.sample='some': unknown value; pass one of all, per_config$"):
         counters.check_options({**c, "sample": "some"})
     with pytest.raises(ConfigError, match=r"^counters.max_kernels=50 cuts the census"):
         counters.check_options({**c, "sample": "per_config", "max_kernels": 50})

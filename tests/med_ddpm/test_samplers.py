@@ -606,7 +606,7 @@ def test_sa_solver_keeps_the_distribution(schedule, steps, orders, std_tol, tau)
 
 
 @pytest.mark.parametrize(("options", "error"), [
-    ({"tau": -0.5}, r"^sampler\.tau=-0\.5: must be a number in \[0, 2\]; pass sampler\.tau=X with X in \[0, 2\]"),
+    ({"tau": -0.5}, r"^sampler\.tau=-0\.5: must be a number >= 0 and <= 2; pass sampler\.tau=X with X >= 0 and <= 2$"),
     ({"predictor_order": 4}, r"^sampler\.predictor_order=4: must be an integer in \[1, 3\]"),
     ({"corrector_order": -1}, r"^sampler\.corrector_order=-1: must be an integer in \[0, 3\] \(0: no corrector\)"),
 ])
