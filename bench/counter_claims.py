@@ -130,12 +130,6 @@ def category_table(row: dict[str, Any]) -> list[str]:
                      f"{(t['duration_ns'] or 0) / total:.1%} | {_m(t['sm_cycles'])} | {_m(t['inst_executed'])} | "
                      f"{_pct(t['tensor_pipe_pct'])} | {t['ipc'] or 0:.2f} | {_pct(t['dram_pct'])} | {_pct(t['l2_pct'])} | "
                      f"{_pct(t['occupancy_pct'])} | {stalls} |")
-    if sampling := row.get("sampling"):
-        coverage, ratio = sampling["coverage"], sampling["duration_ratio"]
-        lines.append(f"- sampled: {sampling['profiled_launches']} launches profiled for {sampling['census_launches']} "
-                     f"counted in {sampling['configurations']} configurations; coverage "
-                     f"{'n/a' if coverage is None else f'{coverage:.1%}'} of the census's kernel time, weighted time "
-                     f"{'n/a' if ratio is None else f'{ratio:.3f}x'} the census's")
     for r in row["counters"].get("rules") or []:
         lines.append(f"- ncu rule {r['rule']} ({r['speedup_type']}): {r['saved_ms']:.3f} ms a step ({r['share']:.1%}) "
                      f"estimated saving over {r['launches']:.0f} launches, most in {r['top_category']}")

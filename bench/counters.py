@@ -35,7 +35,7 @@ import os
 import re
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from statistics import median
@@ -55,16 +55,13 @@ from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from bench.worker import base_row
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError, check_one_of
+from med_ddpm.errors import ConfigError
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 
 log = logging.getLogger(__name__)
 STEP_FLAG = "--profiled-step"  # python -m bench.counters --profiled-step JOB.json: the program ncu runs
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-CENSUS_METRIC = "gpu__time_duration.sum"  # the census pass's one metric: one replay pass per launch
-SMEM_METRIC = "launch__shared_mem_per_block_dynamic"  # part of a launch configuration; a launch attribute, no pass
-MIN_COVERAGE = 0.99  # a per-config sample whose configurations hold less of the census's kernel time is refused
 SUMMED = ("duration_ns", "sm_cycles", "inst_executed", "inst_fma", "inst_alu", "inst_lsu", "inst_hmma", "inst_gmma")
 TIME_WEIGHTED = ("tensor_pipe_pct", "hmma_pipe_pct", "dram_pct", "l2_pct", "occupancy_pct")
 FIELDS = (*SUMMED, "ipc", *TIME_WEIGHTED)
@@ -100,38 +97,25 @@ def category(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------- aggregation
-def launch_config(launch: Mapping[str, Any]) -> str:
-    """A launch's configuration as the raw page prints it: kernel name, grid and block size, dynamic shared memory
-    (read under ``counters.sample=per_config``; the rest of a kernel's shared memory is fixed by its name)."""
-    return " ".join(str(launch.get(k, "")) for k in ("Kernel Name", "Grid Size", "Block Size", SMEM_METRIC))
-
-
 def launch_values(launch: Mapping[str, Any], metrics: Mapping[str, str | None],
                   stalls: Iterable[str]) -> dict[str, Any]:
     """One profiled launch as row fields: its name and category, each configured field (None where ncu
     had no value or the field is switched off) and its stall reasons (cycles per issued instruction)."""
     name = str(launch.get("Kernel Name", ""))
-    values: dict[str, Any] = {"kernel": name, "category": category(name), "id": str(launch.get("ID", "")),
-                              "config": launch_config(launch)}
+    values: dict[str, Any] = {"kernel": name, "category": category(name), "id": str(launch.get("ID", ""))}
     values.update({field: launch.get(metric) if metric else None for field, metric in metrics.items()})
     values["stalls"] = {r: launch.get(STALL_METRIC.format(r)) for r in stalls
                         if launch.get(STALL_METRIC.format(r)) is not None}
     return values
 
 
-def _weight(launch: Mapping[str, Any]) -> float:
-    """How many launches of the step this profiled launch stands for (1, or its configuration's count under
-    ``counters.sample=per_config``, :func:`weigh`)."""
-    return launch.get("weight", 1.0)
-
-
 def _sum(launches: list[dict], field: str) -> float | None:
-    known = [x[field] * _weight(x) for x in launches if x.get(field) is not None]
+    known = [x[field] for x in launches if x.get(field) is not None]
     return sum(known) if known else None
 
 
 def _weighted(launches: list[dict], field: str, weight: str) -> float | None:
-    pairs = [(x[field], x[weight] * _weight(x)) for x in launches if x.get(field) is not None and x.get(weight)]
+    pairs = [(x[field], x[weight]) for x in launches if x.get(field) is not None and x.get(weight)]
     total = sum(w for _, w in pairs)
     return sum(v * w for v, w in pairs) / total if total else None
 
@@ -141,23 +125,23 @@ def totals(launches: list[dict], steps: int = 1, top_stalls: int = 3) -> dict[st
     all instructions over all active cycles (each launch's inst / ipc); stall reasons weighted by
     instructions (total stall cycles per issued instruction), the ``top_stalls`` largest as [reason, value]
     pairs. A field no launch had is None."""
-    out: dict[str, Any] = {"launches": sum(_weight(x) for x in launches) / steps}
+    out: dict[str, Any] = {"launches": len(launches) / steps}
     for field in SUMMED:
         value = _sum(launches, field)
         out[field] = None if value is None else value / steps
     for field in TIME_WEIGHTED:
         out[field] = _weighted(launches, field, "duration_ns")
-    timed = [(x["inst_executed"] * _weight(x), x["ipc"]) for x in launches if x.get("inst_executed") and x.get("ipc")]
+    timed = [(x["inst_executed"], x["ipc"]) for x in launches if x.get("inst_executed") and x.get("ipc")]
     out["ipc"] = sum(i for i, _ in timed) / sum(i / ipc for i, ipc in timed) if timed else None
     tensor = [out[f] for f in ("inst_hmma", "inst_gmma") if out[f] is not None]
     out["inst_tensor"] = sum(tensor) if tensor else None
     inst = out["inst_executed"]
     out["pipe_mix"] = {p: out[f"inst_{p}"] / inst for p in PIPES if inst and out[f"inst_{p}"] is not None}
     cycles: dict[str, float] = defaultdict(float)
-    counted = sum(x["inst_executed"] * _weight(x) for x in launches if x.get("inst_executed") and x["stalls"])
+    counted = sum(x["inst_executed"] for x in launches if x.get("inst_executed") and x["stalls"])
     for x in launches:
         for reason, per_inst in x["stalls"].items():
-            cycles[reason] += per_inst * (x.get("inst_executed") or 0) * _weight(x)
+            cycles[reason] += per_inst * (x.get("inst_executed") or 0)
     ranked = sorted(((r, c) for r, c in cycles.items() if c > 0), key=lambda kv: -kv[1])[:top_stalls]
     out["top_stalls"] = [[r, c / counted] for r, c in ranked]  # a list: the row's JSON sorts dict keys
     return out
@@ -168,56 +152,21 @@ def rule_savings(rules: list[dict], launches: list[dict], steps: int, top: int =
     saved (speedup % of each launch's duration, summed, ms per step), its share of the step's kernel
     time, how many launches it fired on, and the category where it saves most."""
     by_id = {x["id"]: x for x in launches}
-    total_ns = sum((x.get("duration_ns") or 0) * _weight(x) for x in launches) or 1.0
+    total_ns = sum(x.get("duration_ns") or 0 for x in launches) or 1.0
     saved: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rules:
         launch = by_id.get(str(r["id"]))
         if r["speedup_pct"] is None or launch is None or not launch.get("duration_ns"):
             continue
-        ns = r["speedup_pct"] / 100 * launch["duration_ns"] * _weight(launch)
+        ns = r["speedup_pct"] / 100 * launch["duration_ns"]
         entry = saved.setdefault((r["rule"], r["speedup_type"]), {"ns": 0.0, "launches": 0, "by_cat": defaultdict(float)})
         entry["ns"] += ns
-        entry["launches"] += _weight(launch)
+        entry["launches"] += 1
         entry["by_cat"][launch["category"]] += ns
     ranked = sorted(saved.items(), key=lambda kv: -kv[1]["ns"])[:top]
     return [{"rule": rule, "speedup_type": kind, "saved_ms": e["ns"] / 1e6 / steps, "share": e["ns"] / total_ns,
              "launches": e["launches"] / steps, "top_category": max(e["by_cat"], key=e["by_cat"].get)}
             for (rule, kind), e in ranked]
-
-
-def weigh(launches: list[dict], census: list[tuple[str, float]]) -> tuple[list[dict], dict[str, Any]]:
-    """Profiled launches (one or more per configuration, ``counters.sample=per_config``) weighted by how many
-    launches of their configuration the census pass counted, a configuration's count shared among its profiled
-    launches; and what that sampling rests on.
-
-    A launch configuration (kernel, grid, block, dynamic shared memory) does the same work at every launch, so
-    its counters are taken as those of the launch profiled. ``coverage`` is the share of the census's kernel time
-    whose configuration was profiled: below 1 when the profiled run did not profile a configuration the census
-    counted (ncu keyed its configurations otherwise, or the two runs launched different kernels, e.g. after
-    autotuning); ``unmatched_launches`` are profiled launches of a configuration the census never saw, left out.
-    ``duration_ratio`` sets the weighted profiled kernel time against the census's time of the same
-    configurations: the check on the assumption (1: the profiled launches stand for theirs exactly)."""
-    counts, seconds = Counter(k for k, _ in census), defaultdict(float)
-    for key, ns in census:
-        seconds[key] += ns
-    profiled = Counter(x["config"] for x in launches)
-    weighted = [{**x, "weight": counts[x["config"]] / profiled[x["config"]]} for x in launches if counts[x["config"]]]
-    total, covered = sum(seconds.values()), sum(seconds[k] for k in profiled if k in seconds)
-    estimate = sum((x.get("duration_ns") or 0) * x["weight"] for x in weighted)
-    return weighted, {"mode": "per_config", "census_launches": len(census), "configurations": len(counts),
-                      "profiled_launches": len(launches), "unmatched_launches": len(launches) - len(weighted),
-                      "coverage": covered / total if total else None,
-                      "duration_ratio": estimate / covered if covered else None}
-
-
-def sampling_problem(sampling: Mapping[str, Any]) -> str | None:
-    """Why a per-config sample cannot stand for the step (its totals would be short), or None."""
-    coverage = sampling["coverage"]
-    if coverage is None or coverage < MIN_COVERAGE:
-        return (f"the per-config sample covers {'none' if coverage is None else f'{coverage:.1%}'} of the census's "
-                f"kernel time (under {MIN_COVERAGE:.0%}; {sampling['unmatched_launches']} profiled launches matched "
-                "no census configuration): its totals would be short; use counters.sample=all")
-    return None
 
 
 def summarise(launches: list[dict], rules: list[dict] | None, steps: int, top_stalls: int) -> dict[str, Any]:
@@ -277,10 +226,6 @@ def check_options(c: Mapping[str, Any]) -> None:
     if unknown:
         raise ConfigError(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
                          f"use one of {', '.join(FIELDS)}")
-    check_one_of("counters.sample", c["sample"], ("all", "per_config"))
-    if c["sample"] == "per_config" and c["max_kernels"]:
-        raise ConfigError(f"counters.max_kernels={c['max_kernels']} cuts the census that counters.sample=per_config "
-                          "weights by; pass counters.max_kernels=null or counters.sample=all")
     if int(c["steps"]) < 1 or int(c["warmup"]) < 0:
         raise ConfigError(f"counters.steps={c['steps']} / counters.warmup={c['warmup']}: need steps >= 1 and warmup >= 0")
 
@@ -318,92 +263,47 @@ def outcome(run: ncu.Run, timeout_s: float) -> tuple[str, str] | None:
     return None
 
 
-def failure(run: ncu.Run, report: Path, timeout_s: float) -> tuple[str, str] | None:
-    """(status, message) of a profiling run that failed or wrote no report, in ncu's words; None when it worked."""
-    failed = outcome(run, timeout_s)
-    if failed is None and not report.exists():
-        said = ncu.error_lines(run.log) + ncu.error_lines(run.log, "WARNING")
-        failed = "error", f"ncu wrote no report {report.name}: {'; '.join(said) or f'see {report.stem}.ncu.log'}"
-    return failed
-
-
-def take_census(ncu_path: str, program: list[str], report: Path, c: Mapping[str, Any],
-                timeout_s: float) -> tuple[list[tuple[str, float]] | None, dict[str, Any]]:
-    """``counters.sample=per_config``'s first pass: every launch in the range with one metric, its time (one
-    replay pass, so cheap), read as (configuration, ns) per launch; or None and the failed row's fields."""
-    cmd = ncu.profile_command(ncu_path, [CENSUS_METRIC, SMEM_METRIC], report, program, nvtx_range=c["range"],
-                              kernel_filter=c["kernel_filter"])
-    run = ncu.run(cmd, timeout_s, report.with_name(f"{report.stem}.ncu.log"))
-    fields: dict[str, Any] = {"census_command": cmd, "census_wall_s": run.wall_s}
-    failed = failure(run, report, timeout_s)
-    if failed:
-        return None, {**fields, "status": failed[0], "message": f"census pass: {failed[1]}"}
-    raw, _units = ncu.parse_raw(page(ncu_path, report, "raw", timeout_s, c["keep_report"]))
-    if not c["keep_report"]:
-        report.unlink()
-    if not raw:
-        return None, {**fields, "status": "error", "message": f"census pass: no kernel launch inside NVTX range "
-                      f"{c['range']!r} was counted (kernel_filter={c['kernel_filter']}); see {report.stem}.ncu.log"}
-    return [(launch_config(x), x.get(CENSUS_METRIC) or 0.0) for x in raw], fields
-
-
 def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> dict[str, Any]:
-    """Profile the job under ncu and read the report: the row's status, message and counter fields. With
-    ``counters.sample=per_config`` a census pass counts every launch first (:func:`take_census`), then only one
-    launch per configuration gets every metric (:func:`weigh`)."""
+    """Profile the job under ncu and read the report: the row's status, message and counter fields."""
     cfg = job["config"]
     c = cfg["counters"]
     name = file_slug(job)
     job_path, report = out / f"{name}.job.json", out / f"{name}.ncu-rep"
     atomic_write_text(job_path, json.dumps(job, default=str))
-    program = [sys.executable, "-m", "bench.counters", STEP_FLAG, str(job_path)]
-    start, census, fields = time.monotonic(), None, {}
-    if c["sample"] == "per_config":
-        census, fields = take_census(ncu_path, program, out / f"{name}_census.ncu-rep", c, timeout_s)
-        if census is None:
-            return fields
     metrics = [m for m in c["metrics"].values() if m] + [STALL_METRIC.format(r) for r in c["stalls"]]
-    metrics += [SMEM_METRIC] if census is not None else []
-    left = timeout_s - (time.monotonic() - start)
-    if left <= 0:
-        return {**fields, "status": "error", "message": f"the census pass took all of counters.timeout_s={timeout_s:.0f} "
-                "s: raise counters.timeout_s"}
-    cmd = ncu.profile_command(ncu_path, metrics, report, program, nvtx_range=c["range"],
-                              sections=c["sections"] if c["rules"] else (), kernel_filter=c["kernel_filter"],
-                              max_kernels=c["max_kernels"], per_config=census is not None)
-    run = ncu.run(cmd, left, out / f"{name}.ncu.log")
+    cmd = ncu.profile_command(ncu_path, metrics, report, [sys.executable, "-m", "bench.counters", STEP_FLAG,
+                                                          str(job_path)],
+                              nvtx_range=c["range"], sections=c["sections"] if c["rules"] else (),
+                              kernel_filter=c["kernel_filter"], max_kernels=c["max_kernels"])
+    run = ncu.run(cmd, timeout_s, out / f"{name}.ncu.log")
     passes = ncu.replay_passes(run.log)
-    fields.update(ncu_command=cmd, ncu_wall_s=run.wall_s, replay_passes=median(passes) if passes else None)
-    failed = failure(run, report, left)
+    fields: dict[str, Any] = {"ncu_command": cmd, "ncu_wall_s": run.wall_s,
+                              "replay_passes": median(passes) if passes else None}
+    failed = outcome(run, timeout_s)
+    if failed is None and not report.exists():
+        said = ncu.error_lines(run.log) + ncu.error_lines(run.log, "WARNING")
+        failed = "error", f"ncu wrote no report {report.name}: {'; '.join(said) or f'see {name}.ncu.log'}"
     if failed:
         return {**fields, "status": failed[0], "message": failed[1]}
-    return {**fields, **read_report(ncu_path, report, c, timeout_s, census)}
+    return {**fields, **read_report(ncu_path, report, c, timeout_s)}
 
 
-def read_report(ncu_path: str, report: Path, c: Mapping[str, Any], timeout_s: float,
-                census: list[tuple[str, float]] | None = None) -> dict[str, Any]:
-    """The counter fields of an exported report (its raw page, and its rule results with ``counters.rules``),
-    each launch weighted by its configuration's count when there was a ``census``; writes the kernel table
-    beside it and deletes the report unless ``counters.keep_report``."""
+def read_report(ncu_path: str, report: Path, c: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+    """The counter fields of an exported report (its raw page, and its rule results with ``counters.rules``);
+    writes the kernel table beside it and deletes the report unless ``counters.keep_report``."""
     keep = c["keep_report"]
     raw, _units = ncu.parse_raw(page(ncu_path, report, "raw", timeout_s, keep))
     launches = [launch_values(x, c["metrics"], c["stalls"]) for x in raw]
     if not launches:
         return {"status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} was profiled "
                 f"(kernel_filter={c['kernel_filter']}); see {report.stem}.ncu.log"}
-    sampling, problem = None, None
-    if census is not None:
-        launches, sampling = weigh(launches, census)
-        problem = sampling_problem(sampling)
     rules = ncu.parse_rules(page(ncu_path, report, "details", timeout_s, keep)) if c["rules"] else None
     if not keep:
         report.unlink()
-    if not launches:
-        return {"status": "error", "message": problem, "sampling": sampling}
     table = report.with_name(f"{report.stem}_kernels.csv")
     atomic_write_text(table, kernel_table(launches))
-    return {"status": "error" if problem else "ok", "message": problem or "", "kernels_csv": table.name,
-            "sampling": sampling, "counters": summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))}
+    return {"status": "ok", "message": "", "kernels_csv": table.name,
+            "counters": summarise(launches, rules, int(c["steps"]), int(c["top_stalls"]))}
 
 
 def page(ncu_path: str, report: Path, kind: str, timeout_s: float, keep: bool) -> str:

@@ -85,22 +85,17 @@ def run(cmd: Sequence[str], timeout_s: float, log_path: Path | None = None) -> R
 
 def profile_command(ncu: str, metrics: Sequence[str], report: Path, program: Sequence[str], *, nvtx_range: str,
                     sections: Sequence[str] = (), kernel_filter: str | None = None,
-                    max_kernels: int | None = None, per_config: bool = False) -> list[str]:
+                    max_kernels: int | None = None) -> list[str]:
     """The profiling run: counters of every kernel launched inside the NVTX start/end range
     ``nvtx_range`` (a process range, so kernels launched by autograd's device thread count too),
-    clocks left as they are, exported to ``report`` (``.ncu-rep``). ``per_config``: ncu counts launches
-    separately per launch configuration (grid, block and shared memory size, in its manual's words) and
-    profiles the first of each; :func:`bench.counters.weigh` checks against a census that this covered every
-    configuration of every kernel."""
+    clocks left as they are, exported to ``report`` (``.ncu-rep``)."""
     cmd = [ncu, "--clock-control", "none", "--target-processes", "application-only", "--nvtx",
            "--nvtx-include", nvtx_range, "--metrics", ",".join(metrics)]
     for section in sections:
         cmd += ["--section", section]
     if kernel_filter:
         cmd += ["--kernel-name", f"regex:{kernel_filter}"]
-    if per_config:
-        cmd += ["--launch-count", "1", "--filter-mode", "per-launch-config"]
-    elif max_kernels:
+    if max_kernels:
         cmd += ["--launch-count", str(int(max_kernels))]
     return [*cmd, "--force-overwrite", "--export", str(report), *program]
 

@@ -14,7 +14,6 @@ import shlex
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -43,8 +42,7 @@ if "--version" in args:
     print("Version 2025.3.1.0 (fake)")
 elif "--import" in args:
     page = args[args.index("--page") + 1]
-    census = open(args[args.index("--import") + 1]).read() == "census"
-    text = open(os.environ["FAKE_NCU_CENSUS"] if census else os.path.join({str(FIXTURES)!r}, page + ".csv")).read()
+    text = open(os.path.join({str(FIXTURES)!r}, page + ".csv")).read()
     print(text if mode == "ok" else "".join(text.splitlines(True)[:3]) if mode == "no_kernels" else "")
 elif mode == "gvisor":
     print("==PROF== Connected to process 17")
@@ -56,8 +54,7 @@ elif mode == "bad_metric":
     print("==ERROR== Failed to find metric smsp__no_such_metric.sum")
     sys.exit(1)
 else:  # ok, no_kernels
-    census = args[args.index("--metrics") + 1] == "gpu__time_duration.sum,launch__shared_mem_per_block_dynamic"
-    open(args[args.index("--export") + 1], "w").write("census" if census else "report")
+    open(args[args.index("--export") + 1], "w").write("report")
     print('==PROF== Profiling "k" - 0: 0%....50%....100% - 9 passes')
     print('==PROF== Profiling "k" - 1: 0%....50%....100% - 11 passes')
 """
@@ -212,102 +209,6 @@ def test_collect_reads_the_report_and_writes_the_kernel_table(fake_ncu, tmp_path
     assert not list(out.glob("*.ncu-rep")) and not list(out.glob("*_raw.csv"))  # counters.keep_report=false
 
 
-def census_page(tmp_path, repeats: dict[int, int], extra: Sequence[str] = ()) -> Path:
-    """The raw fixture as a census page: launch ``i`` repeated ``repeats[i]`` times (same configuration), then the
-    ``extra`` rows."""
-    header, units, *rows = RAW.splitlines()[1:]
-    lines = [row for i, row in enumerate(rows) for _ in range(repeats.get(i, 1))] + list(extra)
-    path = tmp_path / "census.csv"
-    path.write_text("\n".join([header, units, *lines]) + "\n")
-    return path
-
-
-def test_per_config_sampling_weights_each_profiled_launch_by_its_configuration_s_census_count(
-        fake_ncu, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_NCU_CENSUS", str(census_page(tmp_path, {0: 3, 2: 2})))
-    every = counters.collect(job("counters.rules=true"), tmp_path, fake_ncu, timeout_s=60)
-    fields = counters.collect(job("counters.rules=true", "counters.sample=per_config"), tmp_path, fake_ncu,
-                              timeout_s=60)
-    assert fields["status"] == "ok" and every["sampling"] is None
-    census, cmd = fields["census_command"], fields["ncu_command"]
-    assert census[census.index("--metrics") + 1] == f"{counters.CENSUS_METRIC},{counters.SMEM_METRIC}"
-    assert "--filter-mode" not in census and counters.SMEM_METRIC in cmd[cmd.index("--metrics") + 1]
-    assert cmd[cmd.index("--filter-mode") + 1] == "per-launch-config" and cmd[cmd.index("--launch-count") + 1] == "1"
-    assert fields["sampling"] == {"mode": "per_config", "census_launches": 12, "configurations": 9,
-                                  "profiled_launches": 9, "unmatched_launches": 0, "coverage": 1.0,
-                                  "duration_ratio": 1.0}
-    overall, base = fields["counters"]["overall"], every["counters"]["overall"]
-    assert overall["launches"] == 12 and base["launches"] == 9
-    assert overall["duration_ns"] == sum(DURATIONS) + 2 * DURATIONS[0] + DURATIONS[2]
-    fprop = fields["counters"]["categories"]["conv fprop"]
-    assert fprop["sm_cycles"] == pytest.approx(3 * every["counters"]["categories"]["conv fprop"]["sm_cycles"])
-    assert fprop["ipc"] == pytest.approx(every["counters"]["categories"]["conv fprop"]["ipc"])  # a rate: unchanged
-    assert not list(tmp_path.glob("*census*.ncu-rep"))
-    row = {**base_row(job("counters.sample=per_config")), **fields}
-    assert ("- sampled: 9 launches profiled for 12 counted in 9 configurations; coverage 100.0% of the census's "
-            "kernel time, weighted time 1.000x the census's") in counter_claims.category_table(row)
-
-
-def test_weighing_a_sample_reproduces_the_totals_of_every_launch():
-    """One profiled launch per configuration, weighted by the census, gives the totals of profiling all launches
-    when launches of one configuration are alike; a configuration the profiled run missed lowers the coverage."""
-    launches = values(job()["config"])
-    every = [dict(x, id=f"{x['id']}.{k}") for x in launches for k in range(1 + int(x["id"]) % 3)]
-    census = [(x["config"], x["duration_ns"]) for x in every]
-    weighted, sampling = counters.weigh(launches, census)
-    full, estimate = counters.totals(every), counters.totals(weighted)
-    for field in ("launches", "duration_ns", "sm_cycles", "inst_executed", "ipc", "tensor_pipe_pct", "dram_pct"):
-        assert estimate[field] == pytest.approx(full[field]), field
-    assert [r for r, _ in estimate["top_stalls"]] == [r for r, _ in full["top_stalls"]]
-    assert [v for _, v in estimate["top_stalls"]] == pytest.approx([v for _, v in full["top_stalls"]])
-    assert (sampling["coverage"], sampling["duration_ratio"]) == (1.0, pytest.approx(1.0))
-    partial, sampling = counters.weigh(launches[1:], census)
-    missed = sum(d for c, d in census if c == launches[0]["config"]) / sum(d for _, d in census)
-    assert sampling["coverage"] == pytest.approx(1 - missed) and len(partial) == len(launches) - 1
-
-
-def test_a_configuration_profiled_twice_shares_its_count_and_an_unknown_one_is_left_out():
-    launches = values(job()["config"])
-    twice = [launches[0], dict(launches[0], id="99", duration_ns=200_000.0), *launches[1:]]
-    census = [(x["config"], x["duration_ns"]) for x in launches for _ in range(4)]
-    weighted, sampling = counters.weigh([*twice, dict(launches[1], config="never counted")], census)
-    assert [x["weight"] for x in weighted[:3]] == [2.0, 2.0, 4.0]  # 4 launches of config 0 over its 2 profiled
-    assert sampling["unmatched_launches"] == 1 and sampling["profiled_launches"] == len(launches) + 2
-    assert counters.totals(weighted)["launches"] == len(census)
-    # config 0's two profiled launches (400 and 200 us) stand for 4 launches of 400 us: 1.2 ms for 1.6 ms
-    assert sampling["duration_ratio"] == pytest.approx(1 - 400_000 / (4 * sum(DURATIONS)))
-
-
-def test_a_sample_missing_census_time_is_an_error_row_not_short_totals(fake_ncu, tmp_path, monkeypatch):
-    first = RAW.splitlines()[3]
-    missing = first.replace('"0","4711"', '"50","4711"', 1).replace("sm90_xmma_fprop", "sm90_xmma_other_fprop", 1)
-    monkeypatch.setenv("FAKE_NCU_CENSUS", str(census_page(tmp_path, {}, [missing])))
-    fields = counters.collect(job("counters.sample=per_config"), tmp_path, fake_ncu, timeout_s=60)
-    assert fields["status"] == "error" and fields["sampling"]["coverage"] < counters.MIN_COVERAGE
-    covered = sum(DURATIONS) / (sum(DURATIONS) + DURATIONS[0])  # the census has one more 400 us kernel
-    assert fields["message"].startswith(f"the per-config sample covers {covered:.1%} of the census's kernel time")
-    assert fields["message"].endswith("its totals would be short; use counters.sample=all")
-    row = {**base_row(job("counters.sample=per_config")), **fields}
-    assert counter_claims.workloads([row]) == {}  # an error row never enters the claim table
-
-
-def test_an_empty_census_is_an_error_row(fake_ncu, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_NCU_CENSUS", str(census_page(tmp_path, dict.fromkeys(range(9), 0))))
-    fields = counters.collect(job("counters.sample=per_config"), tmp_path, fake_ncu, timeout_s=60)
-    assert (fields["status"], fields["message"]) == ("error", "census pass: no kernel launch inside NVTX range "
-                                                     "'counters' was counted (kernel_filter=None); see "
-                                                     f"{counters.file_slug(job())}_census.ncu.log")
-    assert "ncu_command" not in fields
-
-
-def test_a_failed_census_is_an_error_row_that_names_the_pass(fake_ncu, tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_NCU_MODE", "bad_metric")
-    fields = counters.collect(job("counters.sample=per_config"), tmp_path, fake_ncu, timeout_s=60)
-    assert (fields["status"], fields["message"]) == (
-        "error", "census pass: ncu exited with code 1: Failed to find metric smsp__no_such_metric.sum")
-    assert "ncu_command" not in fields
-
-
 def test_keep_report_keeps_the_pages_read(fake_ncu, tmp_path):
     j = job("counters.keep_report=true", "counters.rules=true")
     counters.collect(j, tmp_path, fake_ncu, timeout_s=60)
@@ -406,10 +307,6 @@ def test_bad_counter_options_end_with_one_line():
         counters.check_options({**c, "metrics": {**c["metrics"], "cycles": "sm__cycles_elapsed.max"}})
     with pytest.raises(ConfigError, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
-    with pytest.raises(ConfigError, match=r"^counters.sample='some': unknown value; pass one of all, per_config$"):
-        counters.check_options({**c, "sample": "some"})
-    with pytest.raises(ConfigError, match=r"^counters.max_kernels=50 cuts the census"):
-        counters.check_options({**c, "sample": "per_config", "max_kernels": 50})
     counters.check_options(c)  # the shipped config is valid
 
 
@@ -463,21 +360,3 @@ def test_train_step_counters_on_the_gpu_include_the_backward(tmp_path):
     assert cats["conv dgrad"]["launches"] + cats["conv wgrad"]["launches"] > 0
     assert cats["optimizer"]["launches"] > 0
     assert overall["sm_cycles"] > 0 and overall["inst_executed"] > 0 and overall["ipc"] > 0
-
-
-@pytest.mark.gpu
-def test_per_config_sampling_on_the_gpu_stands_for_every_launch(tmp_path):
-    """``counters.sample=per_config`` on the tiny smoke step, two steps in the range: the census counts every
-    launch of both, fewer launches get every metric, and the profiled launches, weighted, account for the
-    census's kernel time (the per-configuration assumption, checked loosely: clocks are not locked)."""
-    if ncu.find_ncu() is None:
-        pytest.skip("no ncu on this machine")
-    subprocess.run([sys.executable, "-m", "bench.counters", "experiment=bench_smoke", "device=cuda",
-                    "counters.sample=per_config", "counters.steps=2", f"counters.out={tmp_path}",
-                    f"hydra.run.dir={tmp_path / 'hydra'}"], check=True, cwd=REPO)
-    (row,) = read_rows(tmp_path / counter_claims.ROWS_FILE)
-    assert (row["status"], row["message"]) == ("ok", "")
-    sampling = row["sampling"]
-    assert sampling["profiled_launches"] < sampling["census_launches"]
-    assert row["counters"]["overall"]["launches"] == pytest.approx(sampling["census_launches"] / 2)
-    assert sampling["coverage"] == pytest.approx(1.0) and 0.5 < sampling["duration_ratio"] < 2.0
