@@ -1,26 +1,20 @@
-"""Samplers: the shared contract, MONAI's DDIM step for step, and a closed-form toy problem.
-
-Toy problem: x₀ ~ N(μ, s²) in 1-D. The exact ε-predictor is analytic,
-ε*(x_t, t) = √(1−ᾱ)(x_t − √ᾱ·μ)/(ᾱ·s² + 1 − ᾱ), and the probability-flow ODE is affine:
-x_t = √ᾱ_t·μ + √(ᾱ_t·s² + 1 − ᾱ_t)·z keeps z fixed. So the exact endpoint of every
-deterministic sampler is known in closed form, and no network is needed.
-"""
+"""Samplers: the shared contract, MONAI's DDIM step for step, and the closed-form toy problem of conftest.py."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import CONFIGS, TOY_DATA, GaussianToy, T, ode_error, sde_moments
 from hydra import compose, initialize_config_dir
 from monai.networks.schedulers import DDIMScheduler
 from omegaconf import OmegaConf
 
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.errors import ConfigError, check_sampler
-from med_ddpm.restart import RestartSampler, segment_grid
+from med_ddpm.restart import RestartSampler
 from med_ddpm.sa_solver import SASolverSampler
 from med_ddpm.samplers import (
     SAMPLERS,
@@ -33,51 +27,10 @@ from med_ddpm.samplers import (
     make_timesteps,
     sample,
     sampler_from_config,
-    sampler_options,
     strictly_descending,
 )
 
-CONFIGS = Path(__file__).parents[2] / "configs" / "sampler"
-TOY_DATA = (0.2, 0.3)  # μ, s of the toy data distribution N(μ, s²) in the distribution tests
-T = 250
 FEW_STEP = ["ddim", "dpm_solver_pp", "deis", "sa_solver"]
-
-
-@pytest.fixture(scope="module")
-def schedule() -> NoiseSchedule:
-    return NoiseSchedule(T)
-
-
-class GaussianToy:
-    """x₀ ~ N(μ, s²): the exact ε-predictor and the exact ODE map, in float64."""
-
-    def __init__(self, schedule: NoiseSchedule, mu: float, s: float):
-        self.abar = schedule.alphas_cumprod.double()
-        self.mu, self.s = mu, s
-
-    def eps(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        a = float(self.abar[t])
-        return math.sqrt(1 - a) * (x - math.sqrt(a) * self.mu) / (a * self.s**2 + 1 - a)
-
-    def ode_endpoint(self, x_start: torch.Tensor, t_start: int, t_last: int) -> torch.Tensor:
-        """Exact ODE solution from t_start to t_last, then x̂₀ = E[x₀ | x_{t_last}] (the final step)."""
-        a0, a1, mu, s2 = float(self.abar[t_start]), float(self.abar[t_last]), self.mu, self.s**2
-        z = (x_start - math.sqrt(a0) * mu) / math.sqrt(a0 * s2 + 1 - a0)
-        x_last = math.sqrt(a1) * mu + math.sqrt(a1 * s2 + 1 - a1) * z
-        return mu + s2 * math.sqrt(a1) / (a1 * s2 + 1 - a1) * (x_last - math.sqrt(a1) * mu)
-
-    def run(self, sampler, x: torch.Tensor, noise: list[torch.Tensor] | None = None) -> torch.Tensor:
-        for k, t in enumerate(sampler.timesteps.tolist()):
-            z = noise[k] if noise is not None else None
-            x = sampler.step(self.eps(x, t), t, x, noise=z).prev_sample
-        return x
-
-
-def ode_error(schedule, name: str, steps: int, x_T: torch.Tensor, toy: GaussianToy, **kw) -> float:
-    sampler = build_sampler(name, schedule, steps, clip_denoised=False, spacing="linspace", **kw)
-    x0 = toy.run(sampler, x_T)
-    ref = toy.ode_endpoint(x_T, int(sampler.timesteps[0]), int(sampler.timesteps[-1]))
-    return float((x0 - ref).abs().max())
 
 
 # --- contract -------------------------------------------------------------------------------
@@ -354,26 +307,6 @@ def test_sde_dpm_solver_pp_samples_match_the_data_distribution(schedule, steps):
     assert float((x0 - ode).abs().mean()) > 0.05, "the SDE variant must actually inject noise"
 
 
-def toy_moments(schedule, name: str, steps: int, seeds: int = 4, **kw) -> tuple[float, float]:
-    """(mean − μ, std/s − 1) of a sampler on N(μ, s²) with exact ε, 4096 samples per seed, averaged."""
-    mu, s = TOY_DATA
-    toy = GaussianToy(schedule, mu, s)
-    errors = []
-    for seed in range(seeds):
-        gen = torch.Generator().manual_seed(seed)
-        sampler = build_sampler(name, schedule, steps, **kw)
-        x_T = torch.randn(4096, generator=gen, dtype=torch.float64)
-        noise = list(torch.randn(len(sampler.timesteps), 4096, generator=gen, dtype=torch.float64))
-        x0 = toy.run(sampler, x_T, noise)
-        errors.append((float(x0.mean()) - mu, float(x0.std()) / s - 1))
-    return tuple(float(np.mean(e)) for e in zip(*errors))
-
-
-def sde_moments(schedule, steps: int, seeds: int = 4, **kw) -> tuple[float, float]:
-    """:func:`toy_moments` of SDE-DPM-Solver++."""
-    return toy_moments(schedule, "dpm_solver_pp", steps, seeds, variant="sde", **kw)
-
-
 @pytest.mark.parametrize(("spacing", "steps"), [("trailing", 10), ("trailing", 50), ("quadratic", 15),
                                                 ("quadratic", 25), ("quadratic", 50)])
 def test_sde_dpm_solver_pp_3m_keeps_the_distribution(schedule, spacing, steps):
@@ -466,193 +399,3 @@ def test_registry_lists_every_sampler():
         "restart": RestartSampler,
         "sa_solver": SASolverSampler,
     }
-
-
-# --- restart sampling (med_ddpm/restart.py) ------------------------------------------------------
-
-
-def restart_node(**options) -> dict:
-    return {**OmegaConf.to_container(OmegaConf.load(CONFIGS / "restart.yaml")), **options}
-
-
-def test_restart_timesteps_are_the_model_calls(schedule):
-    """Main pass to t_min = 28, then each restart re-solves 111 → 28 in 6 calls, then the main pass ends."""
-    node = restart_node()
-    sampler = sampler_from_config(node, schedule)
-    main = [249, 209, 173, 140, 111, 85, 62, 43]
-    assert sampler.timesteps.tolist() == [*main, *[111, 97, 83, 70, 56, 42] * 2, 28, 16, 7, 2, 0]
-    assert len(sampler.timesteps) == 25 and sampler.num_inference_steps == 13
-    assert sampler.stochastic and segment_grid(111, 28, 6) == [111, 97, 83, 70, 56, 42, 28]
-    bare = sampler_from_config(restart_node(restarts=0), schedule)
-    base = build_sampler("dpm_solver_pp", schedule, 13, spacing="quadratic")
-    assert torch.equal(bare.timesteps, base.timesteps)
-    toy = GaussianToy(schedule, *TOY_DATA)
-    x_T = torch.randn(256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    assert torch.equal(toy.run(bare, x_T), toy.run(base, x_T))  # no restarts: the base sampler itself
-
-
-@pytest.mark.parametrize("variant", ["ode", "sde"])
-def test_restart_jump_adds_exactly_the_forward_process_noise(schedule, variant):
-    """The step landing on t_min returns r·x_{t_min} + √(1 − r²)·z, r² = ᾱ_{t_max}/ᾱ_{t_min} (ODE base); after a
-    stochastic step x_{t_min} = m + s·z₁ the two compose: r·m + √(r²s² + 1 − r²)·z."""
-    toy = GaussianToy(schedule, *TOY_DATA)
-    sampler = build_sampler("restart", schedule, 13, spacing="quadratic", variant=variant, t_min=28, t_max=111,
-                            restarts=1, restart_steps=6)
-    base = build_sampler("dpm_solver_pp", schedule, 13, spacing="quadratic", variant=variant)
-    gen = torch.Generator().manual_seed(5)
-    x = y = torch.randn(512, generator=gen, dtype=torch.float64)
-    for t in sampler.timesteps.tolist()[:7]:
-        z = torch.randn(512, generator=gen, dtype=torch.float64)
-        x = sampler.step(toy.eps(x, t), t, x, noise=z).prev_sample
-        y = base.step(toy.eps(y, t), t, y, noise=z).prev_sample
-    assert torch.equal(x, y)  # the main pass is the base sampler's, noise and all
-    t, z = 43, torch.randn(512, generator=gen, dtype=torch.float64)
-    r2 = float(schedule.alphas_cumprod.double()[111] / schedule.alphas_cumprod.double()[28])
-    s = base.noise_std(7)
-    assert (s > 0) == (variant == "sde")
-    jumped = sampler.step(toy.eps(x, t), t, x, noise=z).prev_sample
-    m = base.step(toy.eps(y, t), t, y, noise=torch.zeros_like(y)).prev_sample
-    torch.testing.assert_close(jumped, math.sqrt(r2) * m + math.sqrt(r2 * s**2 + 1 - r2) * z, rtol=0, atol=1e-12)
-    assert int(sampler.timesteps[8]) == 111  # the next call is at t_max
-
-
-def test_restart_keeps_the_toy_distribution_at_25_calls(schedule):
-    """Exact ε on N(0.2, 0.3²), 4 seeds × 4096, default config (13 quadratic DPM-Solver++ steps + 2 × 6 on
-    [28, 111]): the std errors docs/samplers.md quotes, pinned (the toy is seeded)."""
-    options = sampler_options(restart_node())
-    ode_mean, ode_std = toy_moments(schedule, "restart", 13, **options)
-    sde_mean, sde_std = toy_moments(schedule, "restart", 13, **{**options, "variant": "sde"})
-    alone = toy_moments(schedule, "restart", 13, **{**options, "restarts": 0})[1]
-    alone_sde = toy_moments(schedule, "restart", 13, **{**options, "restarts": 0, "variant": "sde"})[1]
-    assert abs(ode_mean) < 0.01 and abs(sde_mean) < 0.01
-    assert (ode_std, sde_std, alone, alone_sde) == pytest.approx((-0.0035, -0.0175, 0.0178, 0.087), abs=5e-4)
-    assert alone > 0.015 and abs(ode_std) < 0.5 * alone  # the restarts, not the main pass, bring it in
-
-
-@pytest.mark.parametrize(("options", "error"), [
-    ({"t_min": 111, "t_max": 28}, r"^sampler\.t_min=111: must be below sampler\.t_max=28 .*; pass"),
-    ({"t_min": 30}, r"^sampler\.t_min=30: not a point of the main pass's grid \[209, .*, 0\] .*; pass one of"),
-    ({"restart_steps": 90}, r"^sampler\.restart_steps=90: more steps than the 83 training steps .*; pass"),
-    ({"restarts": -1}, r"^sampler\.restarts=-1: must be an integer >= 0"),
-    ({"base": "ddpm"}, r"^sampler\.base='ddpm': unknown value; pass one of ddim, dpm_solver_pp, deis$"),
-    ({"t_max": 250}, r"^sampler\.t_max=250: must be an integer in \[1, 249\]"),
-    ({"restart_steps": 2.5}, r"^sampler\.restart_steps=2\.5: must be an integer >= 1; pass sampler\.restart_steps=N"),
-], ids=["t_min-above-t_max", "t_min-off-grid", "segment-too-fine", "restarts-negative", "base-ddpm", "t_max-high",
-        "restart_steps-fraction"])
-def test_restart_refuses_bad_options_with_one_line(schedule, options, error):
-    with pytest.raises(ConfigError, match=error) as err:
-        sampler_from_config(restart_node(**options), schedule)
-    assert "\n" not in str(err.value)
-
-
-def test_restart_composes_with_the_sampling_command_and_fast_sample():
-    with initialize_config_dir(config_dir=str(CONFIGS.parent), version_base="1.3"):
-        cfg = compose("sample", overrides=["experiment=fast_sample", "sampler=restart", "sampler.steps=13"])
-    check_sampler(cfg.sampler, cfg.diffusion)
-    sampler = sampler_from_config(cfg.sampler, NoiseSchedule.from_config(cfg.diffusion))
-    assert isinstance(sampler, RestartSampler) and sampler.main.variant == "sde"  # fast_sample's variant
-    assert len(sampler.timesteps) == 25
-
-
-# --- SA-Solver (med_ddpm/sa_solver.py) ------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("tau", "variant"), [(1.0, "sde"), (0.0, "ode")])
-def test_sa_solver_first_order_without_corrector_is_dpm_solver_pp_1(schedule, tau, variant):
-    """τ = 1 is the reverse SDE SDE-DPM-Solver++ solves, τ = 0 the ODE: at first order and without the corrector
-    the two solvers take the same steps, noise included."""
-    toy = GaussianToy(schedule, 0.2, 0.3)
-    gen = torch.Generator().manual_seed(0)
-    x_T = torch.randn(256, generator=gen, dtype=torch.float64)
-    noise = list(torch.randn(25, 256, generator=gen, dtype=torch.float64))
-    sa = build_sampler("sa_solver", schedule, 25, tau=tau, predictor_order=1, corrector_order=0)
-    dpm = build_sampler("dpm_solver_pp", schedule, 25, order=1, variant=variant)
-    assert sa.stochastic == dpm.stochastic
-    assert float((toy.run(sa, x_T, noise) - toy.run(dpm, x_T, noise)).abs().max()) < 1e-12
-
-
-def sa_ode_errors(schedule, predictor: int, corrector: int) -> list[float]:
-    """Max |x₀ − exact ODE endpoint| of SA-Solver at τ = 0 on the smooth grid 240 → 10, at 20, 40, 80 steps."""
-    toy = GaussianToy(schedule, 0.2, 0.5)
-    x_T = torch.randn(1024, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    errors = []
-    for steps in (20, 40, 80):
-        grid = [int(t) for t in np.round(np.linspace(240, 10, steps))]
-        sampler = build_sampler("sa_solver", schedule, steps, tau=0.0, predictor_order=predictor,
-                                corrector_order=corrector, clip_denoised=False, timesteps=grid)
-        errors.append(float((toy.run(sampler, x_T) - toy.ode_endpoint(x_T, 240, 10)).abs().max()))
-    return errors
-
-
-def test_sa_solver_corrector_raises_the_order_by_one(schedule):
-    """Measured (errors at 20, 40, 80 steps): predictor 2 alone 3.1e-2, 7.6e-3, 1.8e-3 (×4.1, ×4.3: second order);
-    with corrector 2: 2.4e-2, 3.5e-3, 3.3e-4 (×7.0, ×10.4: third order); predictor 3 alone matches
-    DPM-Solver++(3M) (4.0e-4 at 80); with corrector 3: 1.3e-4 (×12.5 on the last doubling)."""
-    p2, p2c2 = sa_ode_errors(schedule, 2, 0), sa_ode_errors(schedule, 2, 2)
-    assert 3.5 < p2[1] / p2[2] < 5 and p2c2[1] / p2c2[2] > 7.5
-    assert all(c < p for c, p in zip(p2c2, p2))
-    assert sa_ode_errors(schedule, 3, 3)[2] < 0.5 * sa_ode_errors(schedule, 3, 0)[2]
-
-
-@pytest.mark.parametrize("tau", [1.0, 0.5])
-@pytest.mark.parametrize(("steps", "orders", "std_tol"), [(25, (2, 2), 0.02), (50, (3, 3), 0.015)])
-def test_sa_solver_keeps_the_distribution(schedule, steps, orders, std_tol, tau):
-    """Exact ε, N(μ, s²), quadratic grid, mean of 4 seeds. Measured std error at τ = 1: (2, 2) at 25 steps +0.86 %,
-    (3, 3) at 50 −0.45 %; at τ = 0.5 (τ² ≠ τ: checks the c = 1 + τ² of the weights and the noise) −0.08 % and
-    −0.51 %. At 10 quadratic steps τ = 1 is off by 15-51 % over every (predictor, corrector) pair (docs/samplers.md)."""
-    mean_error, std_error = toy_moments(schedule, "sa_solver", steps, tau=tau, predictor_order=orders[0],
-                                        corrector_order=orders[1], spacing="quadratic")
-    assert abs(mean_error) < 0.01 and abs(std_error) < std_tol
-
-
-@pytest.mark.parametrize(("options", "error"), [
-    ({"tau": -0.5}, r"^sampler\.tau=-0\.5: must be a number >= 0 and <= 2; pass sampler\.tau=X with X >= 0 and <= 2$"),
-    ({"predictor_order": 4}, r"^sampler\.predictor_order=4: must be an integer in \[1, 3\]"),
-    ({"corrector_order": -1}, r"^sampler\.corrector_order=-1: must be an integer in \[0, 3\] \(0: no corrector\)"),
-])
-def test_sa_solver_refuses_bad_options_with_one_line(schedule, options, error):
-    with pytest.raises((ValueError, ConfigError), match=error):
-        build_sampler("sa_solver", schedule, 10, **options)
-
-
-def test_sa_solver_weights_are_the_integral_of_the_reverse_sde_family(schedule):
-    """Each stored x̂₀ weight is σ_t·(1+τ²)·∫_{λ_s}^{λ_t} e^{−τ²(λ_t−λ)}·e^{λ}·ℓ_j(λ) dλ (ℓ_j the Lagrange basis on the
-    x̂₀ nodes in λ), by quadrature, at τ = 0.5, where τ² and τ differ; the noise std is σ_t·√(1 − e^{−2τ²h})."""
-    from scipy.integrate import quad
-
-    tau, sampler = 0.5, build_sampler("sa_solver", schedule, 12, tau=0.5, predictor_order=3, corrector_order=3)
-    lam, sigma = sampler.lam, sampler.sigma
-    for table, k, s, t in [(sampler._predict, 5, 5, 6), (sampler._correct, 5, 4, 5)]:
-        decay, weights, std = table[k]
-        nodes = [lam[k - j] for j in range(3)]
-        for j, w in enumerate(weights):
-            others = [v for i, v in enumerate(nodes) if i != j]
-            ell = np.poly1d(others, r=True) / np.prod([nodes[j] - v for v in others])
-            integral = quad(lambda v, ell=ell, end=lam[t]: math.exp(-tau**2 * (end - v) + v) * ell(v), lam[s], lam[t])
-            assert w == pytest.approx(sigma[t] * (1 + tau**2) * integral[0], rel=1e-9)
-        h = lam[t] - lam[s]
-        assert decay == pytest.approx(sigma[t] / sigma[s] * math.exp(-tau**2 * h), rel=1e-12)
-        assert std == pytest.approx(sigma[t] * math.sqrt(1 - math.exp(-2 * tau**2 * h)), rel=1e-12)
-
-
-def test_sa_solver_corrector_redoes_the_last_step_with_its_noise(schedule):
-    """Step 1 corrects step 0's update from x_T with x̂₀ at both points and step 0's own ξ, then predicts from the
-    corrected point with fresh ξ: checked against the coefficient tables by hand."""
-    toy = GaussianToy(schedule, 0.2, 0.3)
-    sampler = build_sampler("sa_solver", schedule, 10, tau=1.0, predictor_order=2, corrector_order=2,
-                            clip_denoised=False)
-    gen = torch.Generator().manual_seed(0)
-    x_T, xi0, xi1 = (torch.randn(64, generator=gen, dtype=torch.float64) for _ in range(3))
-    t0, t1 = sampler.timesteps.tolist()[:2]
-    x1 = sampler.step(toy.eps(x_T, t0), t0, x_T, noise=xi0).prev_sample
-    out = sampler.step(toy.eps(x1, t1), t1, x1, noise=xi1)
-    x0_0 = (x_T - sampler.sigma[0] * toy.eps(x_T, t0)) / sampler.alpha[0]
-    x0_1 = (x1 - sampler.sigma[1] * toy.eps(x1, t1)) / sampler.alpha[1]
-
-    def apply(update, x, x0s, noise):
-        decay, weights, std = update
-        return decay * x + sum(w * x0 for w, x0 in zip(weights, x0s)) + std * noise
-
-    corrected = apply(sampler._correct[1], x_T, [x0_1, x0_0], xi0)
-    assert torch.allclose(out.prev_sample, apply(sampler._predict[1], corrected, [x0_1, x0_0], xi1), atol=1e-12)
-    assert not torch.allclose(corrected, x1)  # the correction moved the point
