@@ -109,6 +109,7 @@ def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> lis
             "run_id": row.get("run_id") or LEGACY_RUN,
             "message": "" if ok else (row.get("message") or "").splitlines()[0][:120] if row.get("message") else "",
             "has_baseline": base is not None,
+            "baseline": is_baseline(row),
             "headline": latest.get(job_key(row)) == n,
         })
     return out
@@ -124,7 +125,7 @@ def _fmt(value: Any) -> str:
 
 def to_csv(table: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "has_baseline", "headline"], lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "has_baseline", "baseline", "headline"], lineterminator="\n")
     writer.writeheader()
     writer.writerows(table)
     return buf.getvalue()
@@ -203,9 +204,16 @@ def _figure():
     return plt
 
 
+def timed_stacks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with a speed-up, or none when no recipe stack is among them: rows of strict FP32 alone (two
+    trained models gated against each other) have no speed-up to show."""
+    rows = [r for r in rows if r["speedup"] is not None]
+    return rows if any(not r["baseline"] for r in rows) else []
+
+
 def plot_speedups(table: list[dict[str, Any]], path: Path) -> Path | None:
     """Horizontal bars: speed-up of every successful stack, one colour per workload."""
-    rows = [r for r in table if r["speedup"] is not None]
+    rows = timed_stacks(table)
     if not rows:
         return None
     plt = _figure()
@@ -223,8 +231,7 @@ def plot_speedups(table: list[dict[str, Any]], path: Path) -> Path | None:
 
 def plot_pareto(table: list[dict[str, Any]], path: Path, metric: str = QUALITY_METRIC) -> Path | None:
     """Speed-up vs the gate's quality distance; the Pareto front is joined and ringed."""
-    rows = [r for r in table if r["speedup"] is not None and r["quality_value"] is not None
-            and math.isfinite(r["quality_value"])]
+    rows = [r for r in timed_stacks(table) if r["quality_value"] is not None and math.isfinite(r["quality_value"])]
     if not rows:
         return None
     points = [(max(r["quality_value"], 1e-12), r["speedup"]) for r in rows]

@@ -66,6 +66,17 @@ def test_write_report_files(sweep):
         assert (sweep / png).stat().st_size > 1000
 
 
+def test_strict_fp32_rows_alone_get_no_speedup_plots(tmp_path):
+    """Two trained models gated against each other are two strict-FP32 rows: a ratio of their times is no
+    recipe's speed-up, so neither speed-up plot is drawn or linked."""
+    gate = {"verdict": "fail", "metrics": {"x0_nrmse": 3e-2}}
+    for ms in (35.7, 35.72):
+        append_row(tmp_path / "results.jsonl", row([], ms, scenario="denoise_step", quality=gate))
+    md = report.write_report(tmp_path).read_text()
+    assert not list(tmp_path.glob("speedup*.png")) and "![speedup" not in md
+    assert [r["baseline"] for r in report.report_rows(read_rows(tmp_path))] == [True, True]
+
+
 def test_torn_line_and_missing_baselines(sweep):
     with open(sweep / "results.jsonl", "a") as f:
         f.write('{"scenario": "train_st')  # a writer killed mid-line
