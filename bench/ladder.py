@@ -405,13 +405,16 @@ def run_e2e(cfg: DictConfig) -> int:
 def run_quality_training(cfg: DictConfig) -> int:
     from bench.quality_training import run as train_and_gate
     from bench.quality_training import visible_gpus
+    from bench.training_report import write_training_report
 
     q = cfg.quality_training
     steps = check_int(cfg, "quality_training.steps", 1)
     gpus = check_int(cfg, "quality_training.gpus", 1)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
-    return train_and_gate(Path(cfg.out), steps, q.experiment, Path(q.runs), budget_s, list(q.overrides),
+    left = train_and_gate(Path(cfg.out), steps, q.experiment, Path(q.runs), budget_s, list(q.overrides),
                           visible_gpus(gpus) if gpus > 1 else ())
+    write_training_report(Path(cfg.out))
+    return left
 
 
 # Presets that run real commands in fresh processes rather than the step worker's jobs.

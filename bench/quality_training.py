@@ -33,7 +33,8 @@ Then:
   lenient one. The paired and ε checks between two trained models measure how far apart their weights are, not
   degradation: reported (``weight_differences``), not deciding. With the three runs' loss tail means. Without
   both rows (a gate job cut by the budget or failed), or with a statistic that is not a number, the verdict is
-  ``undecided`` and says why.
+  ``undecided`` and says why. It carries the commit of the code that wrote it, as every row does;
+* ``<out>/training.md``: all of it as tables (:mod:`bench.training_report`).
 
 Run as a ladder preset (1000 steps each: three runs and two gates take several 10-minute device calls,
 docs/quality.md; a call cut by ``budget_s`` is finished by running the same command again while ``runs`` is there):
@@ -347,7 +348,8 @@ def training_verdict(stack: dict[str, Any] | None, noise: dict[str, Any] | None,
 
 def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], losses: dict[str, Any]) -> dict[str, Any]:
     rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
-    verdict = training_verdict(gated_row(rows, pairs["stack"]), gated_row(rows, pairs[NOISE]), losses)
+    verdict = {**training_verdict(gated_row(rows, pairs["stack"]), gated_row(rows, pairs[NOISE]), losses),
+               **provenance()}
     atomic_write_text(out / VERDICT_FILE, json.dumps(verdict, indent=1))
     print(json.dumps({k: verdict[k] for k in ("verdict", "why", "tail_mean_loss")}, indent=1))
     return verdict

@@ -18,8 +18,10 @@ row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their st
 quality.md (when the gate ran): for the latest gated row of each job, every check of the gate with its
 status, value, p-value, null quantiles (distribution checks) or limits, and the gate's minimum detectable
 eps bias, so a verdict can be read back to the check that decided it.
-PNGs (headline rows): speed-up per stack, speed-up vs the quality gate's number with the Pareto
-front marked (when the gate ran), model calls vs the gate's worst distribution p-value of the gated
+training.md (a ``preset=quality_training`` folder): the arms, the training verdict and its checks
+(:mod:`bench.training_report`).
+PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs
+the quality gate's number with the Pareto front marked (when the gate ran), model calls vs the gate's worst distribution p-value of the gated
 sampling rows, and throughput vs batch size (when there are several).
 """
 
@@ -38,6 +40,7 @@ import hydra
 from omegaconf import DictConfig
 
 from bench.records import UNKNOWN, baseline_key, is_baseline, job_key, read_rows, recipe_label
+from bench.training_report import write_training_report
 from med_ddpm import cli
 from med_ddpm.utils import atomic_write_text, save_figure
 
@@ -364,6 +367,7 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     quality = quality_markdown(rows)
     if quality:
         atomic_write_text(sweep_dir / "quality.md", quality)
+    write_training_report(sweep_dir)
     md = atomic_write_text(sweep_dir / "report.md", markdown)
     if wandb:
         log_wandb(table, images, sweep_dir)

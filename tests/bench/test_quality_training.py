@@ -293,5 +293,7 @@ def test_tiny_arms_train_compare_and_gate(tmp_path):
     assert verdict["checks"]["kid_vs_ref"]["stack"]["value"] == rows[0]["quality"]["checks"]["kid_vs_ref"]["value"]
     assert verdict["checks"]["kid_vs_ref"]["training_noise"]["value"] == rows[1]["quality"]["checks"]["kid_vs_ref"]["value"]
     assert verdict["tail_mean_loss"]["fp32_reseed"] == pytest.approx(reseed[-1])  # the last quarter: step 4
+    assert verdict["git_sha"] == provenance()["git_sha"]
+    assert f"**{verdict['verdict']}**" in (out / "training.md").read_text()  # bench.training_report's page
     assert ladder(out, *args) == 0  # resumable: nothing left, nothing rerun
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
