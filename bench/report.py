@@ -20,9 +20,9 @@ status, value, p-value, null quantiles (distribution checks) or limits, and the 
 eps bias, so a verdict can be read back to the check that decided it.
 training.md (a ``preset=quality_training`` folder): the arms, the training verdict and its checks
 (:mod:`bench.training_report`).
-PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs
-the quality gate's number with the Pareto front marked (when the gate ran), model calls vs the gate's worst distribution p-value of the gated
-sampling rows, and throughput vs batch size (when there are several).
+PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs the
+quality gate's number with the Pareto front marked (when the gate ran), model calls vs the gate's worst
+distribution p-value of the gated sampling rows, and throughput vs batch size (when there are several).
 """
 
 from __future__ import annotations
