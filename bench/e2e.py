@@ -42,7 +42,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from typing import Any
 
 from hydra import compose
 
+from bench.process_group import kill, started
 from bench.records import RESULTS_FILE, append_row, read_rows
 from bench.worker import OOM_PATTERN, STDERR_TAIL
 from med_ddpm import cli
@@ -124,18 +124,18 @@ def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
           env_extra: Mapping[str, str] | None = None) -> tuple[int | None, float, str]:
     """Run ``python -m <argv>`` with its caches in ``cache_dir`` (and ``env_extra`` set, e.g. the GPU it may see);
     (exit code or None on timeout, wall s, log tail). The command runs in its own process group, so a timeout
-    kills its compile and data-loader workers with it, and no orphan keeps a GPU busy."""
+    kills its compile and data-loader workers with it, and no orphan keeps a GPU busy
+    (:mod:`bench.process_group`, which also stops it when bench is stopped)."""
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
     env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
     env.update(env_extra or {})
     start = time.time()
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    with log.open("w") as out, started([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                       env=env) as proc:
         try:
             code: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill(proc.pid)
             proc.wait()
             code = None
     return code, time.time() - start, log.read_text(errors="replace")[-STDERR_TAIL:]

@@ -46,6 +46,7 @@ import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from bench.process_group import stopped_together
 from bench.records import RESULTS_FILE, append_row, baseline_key, is_baseline, job_key, provenance, read_rows
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
@@ -393,6 +394,8 @@ def e2e_args(cfg: DictConfig) -> dict[str, str]:
     args = {"out": cfg.out, **{k: v for k, v in cfg.e2e.items() if v is not None}}
     if cfg.budget_s is not None:
         args["budget_s"] = cfg.budget_s
+    if cfg.dry_run:
+        args["budget_s"] = 0  # no time to run one: every job without a row is listed as to do
     return {k: str(v) for k, v in args.items()}
 
 
@@ -412,8 +415,9 @@ def run_quality_training(cfg: DictConfig) -> int:
     gpus = check_int(cfg, "quality_training.gpus", 1)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
     left = train_and_gate(Path(cfg.out), steps, q.experiment, Path(q.runs), budget_s, list(q.overrides),
-                          visible_gpus(gpus) if gpus > 1 else ())
-    write_training_report(Path(cfg.out))
+                          visible_gpus(gpus) if gpus > 1 and not cfg.dry_run else (), dry_run=cfg.dry_run)
+    if not cfg.dry_run:
+        write_training_report(Path(cfg.out))
     return left
 
 
@@ -445,7 +449,8 @@ def run(cfg: DictConfig) -> int:
 @hydra.main(config_path="../configs", config_name="ladder", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> int:
-    return run(cfg)
+    with stopped_together():  # Ctrl-C or an outer timeout also stops the commands e2e and quality_training run
+        return run(cfg)
 
 
 if __name__ == "__main__":

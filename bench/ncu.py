@@ -28,12 +28,13 @@ import io
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.process_group import kill, started, stopped_together
 
 DEFAULT_NCU = "/usr/local/cuda/bin/ncu"
 TEXT_COLUMNS = frozenset({"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
@@ -67,17 +68,18 @@ def find_ncu(configured: str | None = None) -> str | None:
 
 def run(cmd: Sequence[str], timeout_s: float, log_path: Path | None = None) -> Run:
     """Run ``cmd`` in its own process group (ncu and the program it launched are killed together on
-    timeout), stdout and stderr together, optionally saved to ``log_path``."""
+    timeout, or when bench is stopped: :mod:`bench.process_group`), stdout and stderr together, optionally
+    saved to ``log_path``."""
     start = time.perf_counter()
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        code = None
+    with stopped_together(), started(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="replace") as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            kill(proc.pid)
+            out, _ = proc.communicate()
+            code = None
     if log_path is not None:
         log_path.write_text(out, encoding="utf-8")
     return Run(out, code, time.perf_counter() - start)

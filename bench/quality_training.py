@@ -355,15 +355,33 @@ def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], losses: dict[str
     return verdict
 
 
+def list_left(out: Path, commands: dict[str, list[str]], runs: Path, steps: int, experiment: str,
+              gate_overrides: Sequence[str]) -> int:
+    """``dry_run``: print each run as done or to do and, once all are finished, the gate jobs (the ladder's
+    listing); train and gate nothing. Returns the runs and gate jobs left."""
+    left = [arm for arm in commands if not finished(runs / arm, steps)]
+    for arm, argv in commands.items():
+        print(f"[{'todo' if arm in left else 'done'}] python -m {' '.join(argv)}")
+    if left:
+        print(f"[todo] the two gates, once the {len(commands)} runs are finished")
+        return len(left) + len(PAIRED)
+    return run_ladder(out, gate_jobs(gated_pairs(runs, experiment), runs, gate_overrides), 0, dry_run=True,
+                      complete_baselines=False)
+
+
 def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path = Path("runs/quality_training"),
-        budget_s: float = math.inf, overrides: Sequence[str] = (), gpus: Sequence[str] = ()) -> int:
+        budget_s: float = math.inf, overrides: Sequence[str] = (), gpus: Sequence[str] = (),
+        dry_run: bool = False) -> int:
     """Train the three arms (concurrently on ``gpus``, :func:`train_arms`), write the loss curves, gate the
     stack's and the reseeded EMA models against FP32's and write the training verdict. Returns the gate jobs
-    left (0: done), or before the gates 1 when a run failed and 2 when the budget cut one."""
+    left (0: done), or before the gates 1 when a run failed and 2 when the budget cut one. ``dry_run`` lists
+    what is left instead (:func:`list_left`)."""
     start = time.monotonic()
     train_overrides, gate_overrides = split_overrides(overrides)
     runs = runs.resolve()
     commands = training_commands(steps, experiment, runs, train_overrides)
+    if dry_run:
+        return list_left(out, commands, runs, steps, experiment, gate_overrides)
     statuses = train_arms(commands, runs, steps, budget_s, gpus)
     unfinished = {arm: status for arm, status in statuses.items() if status != "done"}
     for arm, status in unfinished.items():

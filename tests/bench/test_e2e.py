@@ -74,9 +74,10 @@ def test_a_job_without_its_keys_and_bad_arguments_are_refused():
     with pytest.raises(SystemExit, match="compile_cache=cold"):
         split_job(["scenario=e2e_sample", "experiment=fast_sample"])
     with pytest.raises(ConfigError, match="preset=e2e needs e2e.data_root=DIR"):
-        e2e_args(OmegaConf.create({"out": "x", "budget_s": None, "e2e": {"data_root": None}}))
-    args = e2e_args(OmegaConf.create({"out": "x", "budget_s": 60, "e2e": {"data_root": "d", "checkpoint": None}}))
-    assert args == {"out": "x", "data_root": "d", "budget_s": "60"}
+        e2e_args(OmegaConf.create({"out": "x", "budget_s": None, "dry_run": False, "e2e": {"data_root": None}}))
+    cfg = {"out": "x", "budget_s": 60, "dry_run": False, "e2e": {"data_root": "d", "checkpoint": None}}
+    assert e2e_args(OmegaConf.create(cfg)) == {"out": "x", "data_root": "d", "budget_s": "60"}
+    assert e2e_args(OmegaConf.create({**cfg, "dry_run": True}))["budget_s"] == "0"  # lists the jobs, runs none
 
 
 @pytest.mark.slow

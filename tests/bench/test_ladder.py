@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.ladder import COMMAND_PRESETS, PRESETS, compose_job, ladder_jobs, missing_recipes, run
+import bench.quality_training as quality_training
+from bench.ladder import COMMAND_PRESETS, PRESETS, compose_job, e2e_ladder, ladder_jobs, missing_recipes, run
 from bench.records import baseline_key, job_key, recipe_label
 from bench.sweep import CONFIG_DIR
 from bench.worker import base_row
@@ -113,6 +114,31 @@ def test_recipe_options_are_part_of_the_job_and_its_label(tmp_path):
     assert recipe_label(exhaustive) == "amp_bf16+cudnn_benchmark [cudnn_benchmark.limit=0]"
     legacy = {k: v for k, v in plain.items() if k != "recipe_options"}  # rows written before options were
     assert job_key(legacy) == job_key(plain) and recipe_label(legacy) == "amp_bf16+cudnn_benchmark"
+
+
+def test_a_dry_run_of_the_e2e_preset_lists_its_commands_and_runs_none(tmp_path, capsys):
+    out = tmp_path / "e2e"
+    left = run(ladder_cfg(out, "preset=e2e", "dry_run=true", f"e2e.data_root={tmp_path}",
+                          f"e2e.checkpoint={tmp_path / 'model.pt'}"))
+    todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
+    assert left == len(todo) == len(list(e2e_ladder())) and "experiment=fast_train" in todo[3]
+    assert not (out / "results.jsonl").exists() and not (out / "jobs").exists()
+
+
+def test_a_dry_run_of_quality_training_lists_the_runs_then_the_gates_and_trains_none(tmp_path, capsys, monkeypatch):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    cfg = ladder_cfg(out, "preset=quality_training", "dry_run=true", f"quality_training.runs={runs}")
+    assert run(cfg) == 5 and not runs.exists()  # three runs and two gates left, nothing started
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [line.split()[:3] for line in listed[:3]] == [["[todo]", "python", "-m"]] * 3
+    assert listed[3] == "[todo] the two gates, once the 3 runs are finished"
+    for arm in ("fp32", "fast_train", "fp32_reseed"):  # finished runs: their weights exist
+        (runs / arm / "checkpoints").mkdir(parents=True)
+        (runs / arm / "checkpoints" / "last.pt").write_bytes(arm.encode())
+    monkeypatch.setattr(quality_training, "finished", lambda run, steps: True)
+    assert run(cfg) == 2 and not (out / "results.jsonl").exists()
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [line.split()[0] for line in listed] == ["[done]"] * 3 + ["[todo]"] * 2
 
 
 def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):

@@ -1,0 +1,66 @@
+"""Commands that bench runs in a process group of their own, and that stop when bench is stopped.
+
+``bench.e2e`` (the real CLIs, the training arms) and ``bench.ncu`` (ncu and the program it profiles) start each
+command in a new session, so that a timeout kills the command together with every worker it started (data
+loaders, inductor's compile workers, the profiled program). A new session also takes the command out of
+bench's own process group, so neither Ctrl-C at the terminal nor an outer ``timeout`` (which signals its whole
+process group) reaches it: bench would exit and leave the command running, holding the GPU that the next
+command then shares. So every running command is recorded here, and while :func:`stopped_together` is active,
+SIGTERM and SIGINT kill every recorded group before bench exits (as 128 + the signal, or KeyboardInterrupt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+LIVE: set[int] = set()  # process-group ids of the commands running now
+
+
+def kill(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (a group that has already gone is fine)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def started(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """``cmd`` started in a new session and recorded while the block runs; an exception in the block (a
+    timeout handled there is not one) kills its group."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True, **popen)
+    LIVE.add(proc.pid)
+    try:
+        yield proc
+    except BaseException:
+        kill(proc.pid)
+        raise
+    finally:
+        LIVE.discard(proc.pid)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    for pid in list(LIVE):
+        kill(pid)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def stopped_together() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT first kill every running command's group, then end bench.
+    Signal handlers belong to the main thread; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
