@@ -400,9 +400,16 @@ def e2e_args(cfg: DictConfig) -> dict[str, str]:
 
 
 def run_e2e(cfg: DictConfig) -> int:
+    import torch
+
     from bench.e2e import run as run_commands
 
-    return run_commands(ladder_jobs(cfg), e2e_args(cfg))
+    args = e2e_args(cfg)
+    if not cfg.dry_run and not torch.cuda.is_available():
+        raise ConfigError("bench.ladder preset=e2e times the README's GPU commands (experiment=fast_sample, "
+                          "experiment=fast_train, BraTS under a 16 GiB cap): this machine shows no CUDA GPU; "
+                          "dry_run=true lists them")
+    return run_commands(ladder_jobs(cfg), args)
 
 
 def run_quality_training(cfg: DictConfig) -> int:

@@ -125,6 +125,13 @@ def test_a_dry_run_of_the_e2e_preset_lists_its_commands_and_runs_none(tmp_path, 
     assert not (out / "results.jsonl").exists() and not (out / "jobs").exists()
 
 
+def test_the_e2e_preset_without_a_cuda_gpu_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^bench.ladder preset=e2e times the README's GPU commands .* no CUDA GPU"):
+        run(ladder_cfg(tmp_path, "preset=e2e", f"e2e.data_root={tmp_path}"))
+    assert not (tmp_path / "jobs").exists()
+
+
 def test_a_dry_run_of_quality_training_lists_the_runs_then_the_gates_and_trains_none(tmp_path, capsys, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "out"
     cfg = ladder_cfg(out, "preset=quality_training", "dry_run=true", f"quality_training.runs={runs}")
