@@ -140,7 +140,8 @@ def entry(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
 
 
 def run(main: Callable[[], Any], *, teardown: bool = True) -> None:
-    """Call a ``@hydra.main`` entry point; a config error ends in one stderr line and exit status 2.
+    """Call a ``@hydra.main`` entry point; a config error ends in one stderr line and exit status 2, Ctrl-C in
+    ``interrupted`` and exit status 130 (``HYDRA_FULL_ERROR=1`` keeps the tracebacks).
 
     ``teardown=False`` ends a successful run with :func:`exit_without_teardown`: for a command whose
     results are all written and closed when ``main`` returns.
@@ -151,6 +152,9 @@ def run(main: Callable[[], Any], *, teardown: bool = True) -> None:
         os.environ.update({"HYDRA_FULL_ERROR": "1", _SET_BY_RUN: "1"})  # Hydra re-raises a composition error
         try:
             main()
+        except KeyboardInterrupt:  # Ctrl-C: what was written is complete (files are written atomically)
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
         except Exception as err:
             _report(err)
             raise

@@ -16,8 +16,10 @@ import errno
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,3 +289,25 @@ def test_report_of_a_folder_without_results_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert re.match(r"error: .*none: no results file \(results\.jsonl\); pass the folder a sweep or ladder wrote", lines[0])
+
+
+def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
+    """Ctrl-C during training: exit status 130 and ``interrupted``, not a KeyboardInterrupt traceback."""
+    run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "med_ddpm.train", "model=tiny", "device=cpu", "train.progress=false",
+                                 "train.max_steps=100000", f"output_dir={run_dir}"], cwd=tmp_path, stderr=stderr,
+                                stdout=subprocess.DEVNULL,
+                                env={**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
+                                     "PYTHONPATH": str(REPO)})
+        try:
+            deadline = time.monotonic() + 120
+            while not (run_dir / "loss.jsonl").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (run_dir / "loss.jsonl").exists(), err.read_text()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 130
+        finally:
+            proc.kill()
+    lines = err.read_text().strip().splitlines()
+    assert lines[-1] == "interrupted" and "Traceback" not in err.read_text(), err.read_text()
