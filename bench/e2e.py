@@ -52,7 +52,7 @@ from typing import Any
 
 from hydra import compose
 
-from bench.process_group import kill, started
+from bench import process_group
 from bench.records import RESULTS_FILE, append_row, read_rows
 from bench.worker import OOM_PATTERN, STDERR_TAIL
 from med_ddpm import cli
@@ -130,14 +130,9 @@ def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
     env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
     env.update(env_extra or {})
     start = time.time()
-    with log.open("w") as out, started([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                       env=env) as proc:
-        try:
-            code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill(proc.pid)
-            proc.wait()
-            code = None
+    with log.open("w") as out:
+        code, _ = process_group.run([sys.executable, "-m", *argv], timeout_s, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env)
     return code, time.time() - start, log.read_text(errors="replace")[-STDERR_TAIL:]
 
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.process_group import kill, started, stopped_together
+from bench import process_group
 
 DEFAULT_NCU = "/usr/local/cuda/bin/ncu"
 TEXT_COLUMNS = frozenset({"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
@@ -71,15 +71,8 @@ def run(cmd: Sequence[str], timeout_s: float, log_path: Path | None = None) -> R
     timeout, or when bench is stopped: :mod:`bench.process_group`), stdout and stderr together, optionally
     saved to ``log_path``."""
     start = time.perf_counter()
-    with stopped_together(), started(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     errors="replace") as proc:
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            kill(proc.pid)
-            out, _ = proc.communicate()
-            code = None
+    code, out = process_group.run(cmd, timeout_s, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  errors="replace")
     if log_path is not None:
         log_path.write_text(out, encoding="utf-8")
     return Run(out, code, time.perf_counter() - start)

@@ -29,9 +29,9 @@ def kill(pid: int) -> None:
 
 
 @contextlib.contextmanager
-def started(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]:
-    """``cmd`` started in a new session and recorded while the block runs; an exception in the block (a
-    timeout handled there is not one) kills its group."""
+def _started(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """``cmd`` started in a new session and recorded while the block runs; an exception in the block kills its
+    group."""
     proc = subprocess.Popen(list(cmd), start_new_session=True, **popen)
     LIVE.add(proc.pid)
     try:
@@ -41,6 +41,19 @@ def started(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]:
         raise
     finally:
         LIVE.discard(proc.pid)
+
+
+def run(cmd: Sequence[str], timeout_s: float | None, **popen: Any) -> tuple[int | None, Any]:
+    """Run ``cmd`` in a process group of its own to its end (``popen``: Popen's stdout, env, ...); (its exit
+    code, or None when ``timeout_s`` ran out and its whole group was killed; its stdout when piped, else None).
+    Under :func:`stopped_together`, entered here when this is the main thread."""
+    with stopped_together(), _started(cmd, **popen) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            return proc.returncode, out
+        except subprocess.TimeoutExpired:
+            kill(proc.pid)
+            return None, proc.communicate()[0]
 
 
 def _stop(signum: int, frame: Any) -> None:
