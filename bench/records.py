@@ -109,6 +109,15 @@ def recipe_label(row: dict[str, Any], baseline: str = "[] (fp32)") -> str:
     return f"{label}, candidate weights {'/'.join(Path(candidate).parts[-3:])}" if candidate else label
 
 
+def code_label(row: dict[str, Any]) -> str:
+    """The row's commit (12 hex digits, ``-dirty`` when the tree differed), or ``unknown``.
+
+    Rows written before provenance was stamped carry only ``env.git_sha``; they are labelled with it
+    but stay of unknown provenance (:func:`known_provenance`)."""
+    sha = row.get("git_sha") or (row.get("env") or {}).get("git_sha") or UNKNOWN
+    return sha if sha == UNKNOWN or "git_sha" not in row else sha[:12] + ("-dirty" if row.get("dirty") else "")
+
+
 def is_baseline(row: dict[str, Any]) -> bool:
     """True for the strict-FP32 reference row (no recipe)."""
     return not row.get("recipes")

@@ -39,7 +39,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from bench.records import UNKNOWN, baseline_key, is_baseline, job_key, read_rows, recipe_label
+from bench.records import UNKNOWN, baseline_key, code_label, is_baseline, job_key, read_rows, recipe_label
 from bench.training_report import write_training_report
 from med_ddpm import cli
 from med_ddpm.utils import atomic_write_text, save_figure
@@ -70,15 +70,6 @@ def worst_distribution_p(row: dict[str, Any]) -> float | None:
     p = [m["p_value"] for name, m in metrics.items() if isinstance(m, dict) and m.get("p_value") is not None
          and (checks.get(name) or {}).get("kind") == "distribution"]
     return min(p) if p else None
-
-
-def code_label(row: dict[str, Any]) -> str:
-    """The row's commit (12 hex digits, ``-dirty`` when the tree differed), or ``unknown``.
-
-    Rows written before provenance was stamped carry only ``env.git_sha``; they are labelled with it
-    but stay of unknown provenance (:func:`known_provenance`)."""
-    sha = row.get("git_sha") or (row.get("env") or {}).get("git_sha") or UNKNOWN
-    return sha if sha == UNKNOWN or "git_sha" not in row else sha[:12] + ("-dirty" if row.get("dirty") else "")
 
 
 def known_provenance(row: dict[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.quality_training import NOISE, VERDICT_FILE, arm_label
+from bench.records import code_label
 from med_ddpm.utils import atomic_write_text
 
 TRAINING_MD = "training.md"
@@ -37,11 +38,8 @@ def _num(value: Any, spec: str = ".3g") -> str:
 
 
 def _code(record: dict[str, Any] | None) -> str:
-    """The writer's commit as 12 hex digits (``+dirty`` for an uncommitted tree), or says it was not recorded."""
-    sha = (record or {}).get("git_sha")
-    if not sha:
-        return "not recorded"
-    return f"`{sha[:12]}`" + ("+dirty" if record.get("dirty") else "")
+    """The writer's commit (:func:`bench.records.code_label`), or says it was not recorded."""
+    return f"`{code_label(record)}`" if (record or {}).get("git_sha") else "not recorded"
 
 
 def _read(folder: Path, name: str) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ def folder(tmp_path, verdict_sha=SHA, **verdict):
 
 def test_the_page_holds_every_arm_the_verdict_and_each_writer_s_commit(tmp_path):
     page = training_markdown(folder(tmp_path))
-    assert "`training.json` (code `0123456789ab`+dirty), `loss_curves.json` (code `0123456789ab`)" in page
+    assert "`training.json` (code `0123456789ab-dirty`), `loss_curves.json` (code `0123456789ab`)" in page
     assert "`training_verdict.json` (code `0123456789ab`)" in page
     assert ("| strict FP32 (recipe=[]) | 447.0 | 997 | 2.0 (off) | 0.02 | 0.0719 |  | `0123456789ab`, `ffffffffffff` |"
             in page)  # a run resumed by other code names both commits
