@@ -142,13 +142,22 @@ def torch_compile_s(t: Mapping[str, Any]) -> float | None:
     return (t.get("torch_compile_s") or {}).get("total_wall_time")
 
 
+def gap(t: Mapping[str, Any], start: str, end: str) -> float | None:
+    """Seconds between two marks of a timings.json, None where one is missing (a command of older code)."""
+    return round(t[end] - t[start], 4) if start in t and end in t else None
+
+
 def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
-    """Sampling's timings.json -> startup / compile / sampling / writing (seconds)."""
+    """Sampling's timings.json -> startup (imports, CUDA, checkpoint, recipes, compile cache and model preparation,
+    the wait for the first mask) / compile / sampling / writing (seconds)."""
     volumes = t["volume_s"]
     steady = statistics.median(volumes[1:]) if len(volumes) > 1 else None
     later = len(volumes) - 1
     return {
-        "imports_s": t["run_start_s"], "cuda_init_s": round(t["device_ready_s"] - t["run_start_s"], 4),
+        "imports_s": t["run_start_s"], "cuda_init_s": gap(t, "run_start_s", "device_ready_s"),
+        "checkpoint_s": gap(t, "device_ready_s", "checkpoint_ready_s"),
+        "recipes_s": gap(t, "checkpoint_ready_s", "recipes_ready_s"),
+        "model_prep_s": gap(t, "recipes_ready_s", "model_ready_s"), "mask_wait_s": gap(t, "model_ready_s", "first_mask_ready_s"),
         "startup_s": t["model_ready_s"],
         "first_volume_s": round(t["first_volume_done_s"] - t["model_ready_s"], 4),
         "per_volume_s": round((t["sampling_done_s"] - t["first_volume_done_s"]) / later, 4) if later else None,

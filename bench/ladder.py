@@ -121,9 +121,15 @@ def core_ladder(best: Stack) -> Iterator[Job]:
     yield FP32_SAMPLE
 
 
+# The fewest model calls that pass the N = 32 gate on the quality model: SDE-DPM-Solver++(2M) on the grid
+# bench.experiments.step_search searched for it (bench/results/h200/quality/samplers).
+FEW_CALLS = ["sampler=ays_quality_model_25", "sampler.steps=25"]
+
+
 def targets_ladder() -> Iterator[Job]:
     """The two shipped experiments against the strict-FP32 baseline of each workload, 128^3, batch 1:
-    ``experiment=fast_sample``'s forward and sample (its sampler, and DDPM-250 with its stack), and
+    ``experiment=fast_sample``'s forward and sample (its sampler, its stack on :data:`FEW_CALLS`' 25-call grid, and
+    DDPM-250 with its stack), and
     ``experiment=fast_train``'s training step (at its batch and accumulation, read from its config), then
     ``fast_sample``'s forward and sample with bf16 in place of its fp16 and with bf16's input-convolution island
     (the precisions the quality gate tries). The FP32 250-step sample runs last, so a short budget cuts only it."""
@@ -133,6 +139,7 @@ def targets_ladder() -> Iterator[Job]:
     yield ["experiment=fast_train", "bench=train_step"]
     yield ["experiment=fast_sample", "bench=full_sample", *DDPM_250, "bench.iters=3"]  # the stack alone
     yield ["experiment=fast_sample", "bench=full_sample"]
+    yield ["experiment=fast_sample", "bench=full_sample", *FEW_CALLS]
     for variant in fast_sample_precisions():  # the quality gate's other precisions, timed at 128^3 beside fp16
         yield ["experiment=fast_sample", "bench=denoise_step", *variant]
         yield ["experiment=fast_sample", "bench=full_sample", *variant]

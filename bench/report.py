@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
@@ -57,19 +58,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _quality_value(row: dict[str, Any], metric: str) -> float | None:
     value = ((row.get("quality") or {}).get("metrics") or {}).get(metric)
-    if isinstance(value, dict):  # the gate's checks: {"value": ..., "p_value": ...}
-        value = value.get("value")
     return float(value) if value is not None else None
 
 
 def worst_distribution_p(row: dict[str, Any]) -> float | None:
     """The smallest permutation p-value of the row's distribution checks (the one that decides a sampler's verdict:
-    small means its samples are told apart from DDPM-250's), or None when the gate ran none."""
-    checks = ((row.get("config") or {}).get("quality") or {}).get("checks") or {}
-    metrics = (row.get("quality") or {}).get("metrics") or {}
-    p = [m["p_value"] for name, m in metrics.items() if isinstance(m, dict) and m.get("p_value") is not None
-         and (checks.get(name) or {}).get("kind") == "distribution"]
+    small means its samples are told apart from DDPM-250's), or None when the gate ran none. The gate writes each
+    check's kind and p-value under ``quality.checks``."""
+    checks = (row.get("quality") or {}).get("checks") or {}
+    p = [c["p_value"] for c in checks.values() if c.get("kind") == "distribution" and c.get("p_value") is not None]
     return min(p) if p else None
+
+
+def short_sampler(label: str | None) -> str:
+    """A row's sampler label with an explicit grid cut to its ends (``timesteps=[249, 246, …, 1]``), for titles and
+    plot labels; the row keeps the whole grid."""
+    def cut(match: re.Match) -> str:
+        points = match.group(1).split(", ")
+        return f"timesteps=[{', '.join(points[:2])}, …, {points[-1]}]" if len(points) > 4 else match.group(0)
+    return re.sub(r"timesteps=\[([^\]]*)\]", cut, label or "")
 
 
 def known_provenance(row: dict[str, Any]) -> bool:
@@ -242,21 +249,25 @@ def plot_calls(rows: list[dict[str, Any]], table: list[dict[str, Any]], path: Pa
         return None
     points = [(float(r["steps"]), max(worst_distribution_p(r), 1e-6)) for r, _ in pairs]
     shown = [t for _, t in pairs]
-    return _front_plot(points, shown, [f"{t['sampler']} {t['recipes']}" for t in shown], path,
+    return _front_plot(points, shown, [short_sampler(t["sampler"]) for t in shown], path,
                        ("model calls per sample",
                         "worst distribution-check p-value vs DDPM-250 (higher: closer)"), log_y=True)
 
 
 def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], labels: list[str], path: Path,
                 axis_labels: tuple[str, str], log_y: bool = False) -> Path:
-    """Points (x lower better, y higher better) coloured by verdict and labelled; the Pareto front joined, ringed."""
+    """Points (x lower better, y higher better) coloured by verdict; the Pareto front joined, ringed. Each point is
+    numbered and its label listed beside the axes, so points that coincide (p-values at the permutation floor)
+    stay readable."""
     plt = _figure()
     front = sorted(pareto_front(points), key=lambda i: points[i][0])
     colours = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for (x, y), r, label in zip(points, rows, labels):
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [3, 2]})
+    stacked: dict[tuple[float, float], int] = defaultdict(int)  # points already numbered at a position
+    for n, ((x, y), r) in enumerate(zip(points, rows), 1):
         ax.scatter(x, y, color=colours.get(r["quality"], "tab:gray"))
-        ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(str(n), (x, y), fontsize=7, xytext=(4, 3 + 8 * stacked[(x, y)]), textcoords="offset points")
+        stacked[(x, y)] += 1
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "k--", lw=0.8, label="Pareto front")
     ax.scatter([points[i][0] for i in front], [points[i][1] for i in front], s=120, facecolors="none",
                edgecolors="k")
@@ -266,6 +277,10 @@ def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], l
     ax.set_xlabel(axis_labels[0])
     ax.set_ylabel(axis_labels[1])
     ax.legend()
+    key.axis("off")
+    key.text(0, 1, "\n".join(f"{n}. {textwrap.shorten(label, 70)} ({r['quality'] or 'no verdict'})"
+                              for n, (label, r) in enumerate(zip(labels, rows), 1)),
+             fontsize=7, va="top", family="monospace", transform=key.transAxes)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
@@ -332,9 +347,10 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
              "p-value against the null of the reference against itself at the same N (docs/quality.md).", ""]
     for row in latest.values():
         q = row["quality"]
-        sampler = q.get("candidate_sampler") or {}
-        steps = f" {sampler['steps']} steps" if sampler.get("steps") else ""
-        lines += [f"## {row.get('scenario')} · {recipe_label(row)} · {sampler.get('name', '')}{steps}: "
+        candidate = q.get("candidate_sampler") or {}
+        sampler = (f" · {short_sampler(row['sampler'])}, {candidate.get('calls')} model calls" if row.get("sampler")
+                   else f" · {candidate['name']}" if candidate.get("name") else "")  # e.g. probes only
+        lines += [f"## {row.get('scenario')} · {recipe_label(row)}{sampler}: "
                   f"**{q.get('verdict')}**", "",
                   f"N = {q.get('n_samples')} ({q.get('n_masks')} masks), paired: {q.get('paired')}, minimum "
                   f"detectable eps bias {_fmt(q.get('min_detectable_eps_bias'))}; code {code_label(row)}, run "

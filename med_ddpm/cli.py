@@ -21,6 +21,9 @@ A user error prints ``error: <thing>: <problem>; <fix>`` to stderr and exits wit
   override syntax) and a mandatory option left unset,
 - an ``OSError`` on a user path: missing, not permitted, read-only, disk full.
 
+Running out of GPU memory prints ``error: CUDA out of memory. ...; <fix>`` and exits with status 3: not a bug,
+and the fix is the user's (a smaller batch, memory-saving recipes, a larger card).
+
 Any other exception is a bug and keeps its traceback (exit status 1). ``HYDRA_FULL_ERROR=1``
 shows the full traceback of every error, user errors included.
 """
@@ -38,6 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -49,6 +53,9 @@ from optim.base import RecipeConflictError, UnsupportedRecipeError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 EXIT_USER_ERROR = 2
+EXIT_OUT_OF_MEMORY = 3
+OOM_FIX = ("lower train.batch_size or num_samples, add memory-saving recipes (amp_bf16, checkpointing) or use a "
+           "larger GPU; docs/troubleshooting.md")
 OS_FIXES = {
     errno.ENOENT: "check the path",
     errno.ENOTDIR: "check the path",
@@ -108,6 +115,15 @@ def user_error_line(err: BaseException, where: str = "output") -> str | None:
     return None
 
 
+def out_of_memory_line(err: BaseException) -> str | None:
+    """torch's out-of-memory message up to the figures (what was asked, allowed, allocated and cached), with the
+    fix; None for any other error."""
+    if not isinstance(err, torch.OutOfMemoryError):
+        return None
+    figures = _one_line(str(err)).split(" If reserved but unallocated")[0].split(" See documentation")[0]
+    return f"{figures.rstrip('. ')}; {OOM_FIX}"
+
+
 _SET_BY_RUN = "MED_DDPM_CLI_SET_FULL_ERROR"  # marks a HYDRA_FULL_ERROR=1 that run() set, not the user
 
 
@@ -117,11 +133,14 @@ def full_error() -> bool:
 
 
 def _report(err: Exception, where: str = "output") -> None:
-    """Exit with one line for a user error; return (the caller re-raises) for a bug or under HYDRA_FULL_ERROR=1."""
-    line = None if full_error() else user_error_line(err, where)
-    if line is not None:
-        print(f"error: {line}", file=sys.stderr)
-        raise SystemExit(EXIT_USER_ERROR) from None
+    """Exit with one line for a user error or running out of GPU memory; return (the caller re-raises) for a bug or
+    under HYDRA_FULL_ERROR=1."""
+    if full_error():
+        return
+    for line, status in ((user_error_line(err, where), EXIT_USER_ERROR), (out_of_memory_line(err), EXIT_OUT_OF_MEMORY)):
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr)
+            raise SystemExit(status) from None
 
 
 def entry(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:

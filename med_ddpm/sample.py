@@ -131,14 +131,23 @@ def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_di
 
 
 def prefetched(items: Iterator[T]) -> Iterator[T]:
-    """``items``, each next one prepared on a thread while the caller works on the current one (the next mask
-    is read and preprocessed while this one samples). An error preparing an item is raised where it is due."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-masks") as pool:
-        source, done = iter(items), object()
-        upcoming = pool.submit(next, source, done)
-        while (item := upcoming.result()) is not done:
-            upcoming = pool.submit(next, source, done)
-            yield item
+    """``items``, each next one prepared on a thread while the caller works on the current one. The first starts
+    now, not at the first ``next()``: the first mask is read and preprocessed (MONAI imported for it) while the
+    recipes and the compile cache load. An error preparing an item is raised where it is due."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-masks")
+    source, done = iter(items), object()
+    upcoming = pool.submit(next, source, done)
+
+    def drain() -> Iterator[T]:
+        nonlocal upcoming
+        try:
+            while (item := upcoming.result()) is not done:
+                upcoming = pool.submit(next, source, done)
+                yield item
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    return drain()
 
 
 class BackgroundWriter:
@@ -199,6 +208,7 @@ class SamplingJob:
     geometry: tuple[str, list[int] | None, str]  # (data variant, model image size, resize mode)
     out_dir: Path
     cache: CompileCache | None
+    masks: Iterator[tuple[int, str, torch.Tensor, Any]]  # (index, name, cond, NIfTI), prepared ahead on a thread
 
 
 def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
@@ -210,27 +220,30 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     loaded.model.to(device)
     geometry = sampling_geometry(loaded, cfg)
+    masks = prefetched(conditions(cfg, *geometry, levels=len(loaded.model.config["channel_mult"])))
+    clock.mark("checkpoint_ready")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
     cache = CompileCache.for_run(cfg.get("paths", {}).get("compile_cache"), "sample", stack, device,
                                  {"model": loaded.model.config, "batch": cfg.num_samples, "size": geometry[1]})
+    clock.mark("recipes_ready")
     return SamplingJob(cfg, device, loaded, sampler_from_config(cfg.sampler, loaded.schedule.to(device)), stack,
-                       geometry, Path(distributed.broadcast_object(str(cfg.output_dir))), cache)  # Hydra's dir may differ per rank
+                       geometry, Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
+                       masks)
 
 
 def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> list[float]:
     """Sample this rank's masks inside the recipe session, handing each volume to ``writer``; returns the
     seconds each mask took (the first includes compilation, cuDNN autotuning and CUDA-graph capture)."""
-    cfg, (variant, size, resize_mode) = job.cfg, job.geometry
+    cfg, resize_mode = job.cfg, job.geometry[2]
     if job.cache is not None:
         job.cache.load()
     model = job.stack.prepare_model(job.loaded.model)
     clock.mark("model_ready")
     volume_s = []
-    levels = len(job.loaded.model.config["channel_mult"])
-    for index, name, cond, nifti in prefetched(conditions(cfg, variant, size, resize_mode, levels)):
+    for index, name, cond, nifti in job.masks:
         if not volume_s:
-            clock.mark("first_mask_ready")  # the first mask read and preprocessed; MONAI imported for it
+            clock.mark("first_mask_ready")  # the first mask in hand: read on a thread since the checkpoint loaded
         start = time.perf_counter()
         c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
         generator = distributed.keyed_generator(job.device, cfg.seed, index)

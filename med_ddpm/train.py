@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -370,6 +371,22 @@ def cap_memory(device: torch.device, gib: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
 
 
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def expandable_segments_under_cap(gib: float | None) -> None:
+    """Under ``train.memory_cap_gib`` fragmentation decides whether a run fits: the cap counts blocks the allocator
+    keeps cached, and a cached block cannot serve a larger request (the H200 BraTS run under 16 GiB stopped with
+    4.05 GiB cached but unallocated). Expandable segments grow one mapping per stream, so freed memory serves any
+    size. Set before CUDA starts (the allocator reads it then), and never over the user's own allocator settings."""
+    if gib is None or any(var in os.environ for var in ALLOC_CONF_VARS):
+        return
+    if torch.cuda.is_initialized():
+        log.warning("train.memory_cap_gib=%s: CUDA already started, allocator settings left as they are", gib)
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def batch_stream(job: Job) -> TimedIterator:
     """This rank's batches from the current step on, timed: the seconds the loop waits for data.
 
@@ -483,6 +500,7 @@ def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
     check_output_dir(cli.output_dir(cfg), cfg.resume)
     check_options(cfg)
+    expandable_segments_under_cap(cfg.train.get("memory_cap_gib"))
     with as_config_error("options", "check the option it names (python -m med_ddpm.train --cfg job lists them)"):
         job = build(cfg)  # the data, model and recipe constructors check their own options
     summary = fit(job)

@@ -4,7 +4,9 @@
 compiling the instance's forward instead keeps Med-DDPM's key names, so checkpoints written
 with or without the recipe are interchangeable. Compilation is lazy: the first call pays it,
 so callers time that call separately (``slow_first_call``: the bench reports it as ``first_call_s``), and the session
-ends with ``torch.compiler.reset()`` so a Hydra multirun's next job starts from a clean cache.
+ends with ``torch.compiler.reset()`` so a Hydra multirun's next job starts from a clean cache. The session lets
+AOTAutograd's cache keep graphs with custom autograd Functions (:data:`CACHE_FLAGS`), so a warm start of a training
+step loads its joint graph instead of tracing it again.
 
 Modes: ``default`` (inductor kernels) and ``reduce-overhead`` (the same kernels replayed as CUDA-graph
 trees: recipe ``compile_cudagraphs``). The max-autotune modes are not offered: their compile of the
@@ -30,6 +32,10 @@ from optim.channels_last import is_only_channels_last_3d
 from optim.forward_override import override_forward
 
 MODES = ("default", "reduce-overhead")
+# Let AOTAutograd's cache keep graphs that hold a custom autograd.Function (gather_upsample, dense_conv_grads):
+# torch keeps them out by default, so every warm start traced and partitioned the joint training graph again.
+# The Function's forward and backward are traced into the graph, so its key covers them (pytorch#149751).
+CACHE_FLAGS = {"functorch.autograd_cache_allow_custom_autograd_functions": True}
 LAYOUT_OPTIMIZATION = ("auto", True, False)
 
 
@@ -145,7 +151,7 @@ class Compile(Recipe):
         self.name = "compile_cudagraphs" if graphs else "compile"
         self.capabilities = Capabilities(
             exact=False, tolerance={"rtol": 1e-4, "atol": 1e-5}, stage=50, kind="compile", slow_first_call=True,
-            captures_graphs=graphs, devices=("cuda",) if graphs else None,
+            captures_graphs=graphs, devices=("cuda",) if graphs else None, flags=CACHE_FLAGS,
             requirement="compile mode reduce-overhead (CUDA-graph trees)",
             fix="use the compile recipe off CUDA (inductor would run there without graphs)")
 

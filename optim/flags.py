@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch._functorch.config
 
 
 def _precision(backend: str, op: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
@@ -41,6 +42,9 @@ FLAGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "cudnn.benchmark": _attr(torch.backends.cudnn, "benchmark"),
     "cudnn.benchmark_limit": _attr(torch.backends.cudnn, "benchmark_limit"),
     "cudnn.deterministic": _attr(torch.backends.cudnn, "deterministic"),
+    # AOTAutograd's cache refuses graphs with a custom autograd.Function unless this is on (torch's default: off)
+    "functorch.autograd_cache_allow_custom_autograd_functions":
+        _attr(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"),
 }
 
 

@@ -273,6 +273,29 @@ def test_a_bug_keeps_its_traceback(bug, capsys):
     assert capsys.readouterr().err == ""
 
 
+# What the BraTS training loop printed on the H200 under train.memory_cap_gib=16 (bench/results/h200/e2e)
+H200_OOM = ("CUDA out of memory. Tried to allocate 1.27 GiB. GPU 0 has a total capacity of 139.80 GiB of which 123.84 "
+            "GiB is free. Including non-PyTorch memory, this process has 15.95 GiB memory in use. 16.00 GiB allowed; Of "
+            "the allocated memory 11.21 GiB is allocated by PyTorch, and 4.05 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+            "Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-"
+            "cuda-alloc-conf)")
+
+
+def test_running_out_of_gpu_memory_is_one_line_with_the_figures_and_exit_3(capsys):
+    def task(cfg):
+        raise torch.OutOfMemoryError(H200_OOM)
+
+    with pytest.raises(SystemExit) as stop:
+        cli.entry(task)(OmegaConf.create({"output_dir": "/tmp/x"}))
+    err = capsys.readouterr().err
+    assert stop.value.code == cli.EXIT_OUT_OF_MEMORY == 3 and err.count("\n") == 1
+    assert err.startswith("error: CUDA out of memory. Tried to allocate 1.27 GiB.")
+    assert "16.00 GiB allowed" in err and "4.05 GiB is reserved by PyTorch but unallocated; lower train.batch_size" in err
+    assert "See documentation" not in err
+
+
 def test_a_bug_inside_build_keeps_its_type_and_a_config_error_names_the_node():
     from med_ddpm.errors import ConfigError, as_config_error
 

@@ -47,12 +47,15 @@ def test_every_e2e_job_is_a_command_that_composes(tmp_path):
 
 
 def test_the_split_is_read_off_the_marks():
-    sample = {"run_start_s": 2.0, "device_ready_s": 2.5, "model_ready_s": 4.0, "first_volume_done_s": 14.0,
+    sample = {"run_start_s": 2.0, "device_ready_s": 2.5, "checkpoint_ready_s": 2.75, "recipes_ready_s": 3.25,
+              "model_ready_s": 4.0, "first_mask_ready_s": 4.5, "first_volume_done_s": 14.0,
               "sampling_done_s": 20.0, "total_s": 20.5, "volume_s": [10.0, 2.0, 3.0, 2.5], "volumes": 4,
               "write_busy_s": 2.4, "write_wait_s": 0.1, "torch_compile_s": {"total_wall_time": 6.25}}
     split = sample_split(sample)
     assert split["torch_compile_s"] == 6.25
     assert (split["imports_s"], split["cuda_init_s"], split["startup_s"]) == (2.0, 0.5, 4.0)
+    assert (split["checkpoint_s"], split["recipes_s"], split["model_prep_s"], split["mask_wait_s"]) == (0.25, 0.5, 0.75, 0.5)
+    assert sample_split({k: v for k, v in sample.items() if k != "recipes_ready_s"})["recipes_s"] is None  # older code
     assert (split["first_volume_s"], split["per_volume_s"], split["compile_s"]) == (10.0, 2.0, 7.5)
     assert split["write_exposed_s"] == 0.6 and split["sampling_s"] == 17.5
     train = train_split({"loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0, "ms_per_step": 120.0,

@@ -209,13 +209,15 @@ def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
     baselines = {baseline_key(base_row(s)) for s in specs if not s["recipes"]}
     fast = [s["config"] for s in specs if s["recipes"]]
     sample, train = experiment("sample", "fast_sample"), experiment("train", "fast_train")
-    assert [c["bench"]["scenario"] for c in fast] == ["denoise_step", "train_step", "full_sample", "full_sample"]
+    assert [c["bench"]["scenario"] for c in fast] == ["denoise_step", "train_step"] + ["full_sample"] * 3
     assert fast[1]["recipe"] == OmegaConf.to_container(train.recipe, resolve=True)
     assert all(c["recipe"] == OmegaConf.to_container(sample.recipe, resolve=True) for c in (fast[0], *fast[2:]))
     assert fast[3]["sampler"] == OmegaConf.to_container(sample.sampler, resolve=True)
-    # every workload has its strict-FP32 baseline but the experiment's own sampler, whose baseline is DDPM-250
+    few = fast[4]["sampler"]  # the 25-call grid that passes the gate on the quality model, timed at 128^3
+    assert (few["steps"], len(few["timesteps"]), few["variant"]) == (25, 25, "sde")
+    # every workload has its strict-FP32 baseline but the few-step samplers, whose baseline is DDPM-250
     unmatched = [s["config"]["sampler"]["name"] for s in specs if s["recipes"] and baseline_key(base_row(s)) not in baselines]
-    assert unmatched == ["dpm_solver_pp"]
+    assert unmatched == ["dpm_solver_pp"] * 2
 
 
 def test_a_resumed_ladder_measures_each_workload_s_baseline_in_its_own_run(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from bench.experiments.step_search import sampler_snippet
 from bench.ladder import RESTARTS, SA_ORDERS, compose_job, ladder_jobs
@@ -42,7 +43,10 @@ def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(t
     assert grid == {(n, o, sp) for n in (10, 25, 50) for o in (2, 3) for sp in ("trailing", "quadratic")}
     assert samplers[0]["steps"] == 25  # the budget first
     searched = [s for s in samplers if s["timesteps"] is not None]
-    assert [(s["steps"], list(s["timesteps"])) for s in searched] == [(4, [249, 120, 30, 2])]
+    files = sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml"))  # the committed grids and the test's
+    assert [(s["steps"], list(s["timesteps"])) for s in searched] == [
+        (len(t := OmegaConf.load(f).timesteps), list(t)) for f in files]
+    assert (4, [249, 120, 30, 2]) in [(s["steps"], list(s["timesteps"])) for s in searched]
     rows = [base_row(compose_job(job, tmp_path / "x")) for job in jobs(tmp_path)]
     assert "dpm_solver_pp(order=3,variant=sde,spacing=quadratic)" in {r["sampler"] for r in rows}
     assert len({(r["sampler"], r["steps"]) for r in rows}) == len(rows)  # a row's label and steps name its sampler

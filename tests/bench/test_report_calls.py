@@ -1,29 +1,44 @@
-"""bench.report's model-calls plot: gated sampling rows, the worst distribution p-value, the gate's dict metrics."""
+"""bench.report's model-calls plot: gated sampling rows, the worst distribution p-value, the gate's checks."""
+
+import json
+from pathlib import Path
 
 from bench import report
 from bench.records import append_row
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
-CHECKS = {"kid_vs_ref": {"kind": "distribution"}, "mmd_vs_ref": {"kind": "distribution"},
-          "x0_nrmse": {"kind": "paired"}}
+H200_SAMPLERS = Path(__file__).resolve().parents[2] / "bench/results/h200/quality/samplers/results.jsonl"
 
 
 def sampling_row(sampler: str, steps: int, kid_p: float, mmd_p: float, verdict: str) -> dict:
-    metrics = {"kid_vs_ref": {"value": 1e-3, "p_value": kid_p}, "mmd_vs_ref": {"value": 2e-3, "p_value": mmd_p},
-               "x0_nrmse": {"value": 0.2}, "eps_rel_l2": {"value": 0.01, "p_value": 1e-9}}
+    """A gated sampling row as the gate writes it: plain metric values, and each check's kind and p-value."""
+    checks = {"kid_vs_ref": {"kind": "distribution", "value": 1e-3, "p_value": kid_p, "status": verdict},
+              "mmd_vs_ref": {"kind": "distribution", "value": 2e-3, "p_value": mmd_p, "status": verdict},
+              "eps_mean_bias": {"kind": "bias", "value": 1e-4, "p_value": 1e-9, "status": "pass"}}
     return {"run_id": "run-1", "git_sha": SHA, "dirty": False, "scenario": "full_sample", "model": "quality_model",
             "image_size": [64, 64, 64], "batch_size": 32, "sampler": sampler, "steps": steps, "recipes": ["amp_bf16"],
             "status": "ok", "message": "", "ms_median": 10.0 * steps, "peak_mem_gib": 1.0,
-            "quality": {"verdict": verdict, "metrics": metrics},
-            "config": {"bench": {"timeout_s": 10}, "quality": {"checks": CHECKS}}}
+            "quality": {"verdict": verdict, "metrics": {"kid_vs_ref": 1e-3, "mmd_vs_ref": 2e-3, "x0_nrmse": 0.2},
+                        "checks": checks},
+            "config": {"bench": {"timeout_s": 10}}}
 
 
 def test_worst_distribution_p_reads_only_the_distribution_checks():
-    assert report.worst_distribution_p(sampling_row("ddpm", 250, 0.4, 0.03, "pass")) == 0.03  # not eps_rel_l2's
+    assert report.worst_distribution_p(sampling_row("ddpm", 250, 0.4, 0.03, "pass")) == 0.03  # not the bias check's
     assert report.worst_distribution_p({"quality": None, "config": {}}) is None
 
 
-def test_quality_value_reads_the_gates_dict_metrics():
+def test_worst_distribution_p_reads_the_h200_gate_rows():
+    """The rows the gate wrote on the H200: every one has a distribution p-value, the passing ones the highest."""
+    rows = [json.loads(line) for line in H200_SAMPLERS.read_text().splitlines()]
+    worst = {row["run_id"] + row["sampler"] + str(row["steps"]): report.worst_distribution_p(row) for row in rows}
+    assert all(p is not None and 0 < p <= 1 for p in worst.values())
+    passed = [report.worst_distribution_p(r) for r in rows if r["quality"]["verdict"] == "pass"]
+    failed = [report.worst_distribution_p(r) for r in rows if r["quality"]["verdict"] == "fail"]
+    assert passed and failed and min(passed) > 0.05 > min(failed)
+
+
+def test_quality_value_reads_the_gates_metrics():
     assert report._quality_value(sampling_row("ddpm", 250, 0.4, 0.03, "pass"), "x0_nrmse") == 0.2
 
 

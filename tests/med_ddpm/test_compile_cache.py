@@ -30,7 +30,8 @@ def test_no_compile_recipe_or_no_folder_means_no_cache(tmp_path):
 
 
 def test_the_file_is_keyed_by_recipes_options_and_workload(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded, so teardown undoes what for_run sets
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     one = CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1})
     assert one.path == CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1}).path
     others = [CompileCache.for_run(tmp_path, "sample", stack("reduce-overhead"), CPU, {"batch": 1}),
@@ -80,6 +81,48 @@ def test_a_second_process_starts_warm(tmp_path):
                            cwd=REPO, timeout=300, env=env) for _ in range(2)]
     assert [r.stdout.split() for r in runs] == [["cold", "True"], ["warm", "False"]], runs[0].stderr[-2000:]
     assert len(list(tmp_path.glob("test-*.bin"))) == 1 and (tmp_path / "inductor").is_dir()
+
+
+TRAIN_SCRIPT = """
+import sys, torch
+from torch._dynamo.utils import counters
+from med_ddpm.compile_cache import CompileCache
+from optim import RecipeStack
+from optim.compile import Compile
+
+class Twice(torch.autograd.Function):  # a custom Function, as gather_upsample and dense_conv_grads hold
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+class Net(torch.nn.Linear):
+    def forward(self, x):
+        return Twice.apply(super().forward(x))
+
+stack = RecipeStack([Compile()])
+cache = CompileCache.for_run(sys.argv[1], "train", stack, torch.device("cpu"), {"shape": [4, 8]})
+with stack.session():
+    status = cache.load()
+    net = stack.prepare_model(Net(8, 8))
+    net(torch.randn(4, 8)).sum().backward()
+    cache.save()
+print(status, *sorted(k for k in counters["aot_autograd"] if k.startswith("autograd_cache")))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_training_step_loads_its_joint_graph_despite_a_custom_autograd_function(tmp_path):
+    """torch's AOTAutograd cache refuses graphs with a custom autograd.Function unless the compile recipe's session
+    allows them: without it every warm start traced and partitioned the joint graph again."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    runs = [subprocess.run([sys.executable, "-c", TRAIN_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                           cwd=REPO, timeout=300, env=env) for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["cold", "autograd_cache_miss", "autograd_cache_saved"],
+                                                ["warm", "autograd_cache_hit"]], runs[0].stderr[-2000:]
 
 
 @pytest.mark.slow

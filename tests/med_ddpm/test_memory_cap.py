@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from med_ddpm.errors import ConfigError
-from med_ddpm.train import cap_memory
+from med_ddpm.train import ALLOC_CONF_VARS, cap_memory, expandable_segments_under_cap
 
 
 @pytest.fixture
@@ -37,3 +38,31 @@ def test_no_cap_and_cpu_runs_set_nothing(h200):
 def test_a_cap_the_gpu_cannot_give_names_the_option(h200, gib):
     with pytest.raises(ConfigError, match=rf"train.memory_cap_gib={gib}: must be in \(0, 140.0\], .*; pass a smaller"):
         cap_memory(torch.device("cuda"), gib)
+
+
+@pytest.fixture
+def no_alloc_conf(monkeypatch):
+    for var in ALLOC_CONF_VARS:  # set first, so teardown restores the variable whatever the test wrote
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+
+def test_a_cap_turns_on_expandable_segments_before_cuda_starts(no_alloc_conf):
+    """Cached-but-unallocated blocks count against the cap; expandable segments let freed memory serve any size."""
+    expandable_segments_under_cap(16)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_no_cap_or_the_users_own_allocator_settings_are_left_alone(no_alloc_conf, monkeypatch):
+    expandable_segments_under_cap(None)
+    assert not any(var in os.environ for var in ALLOC_CONF_VARS)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    expandable_segments_under_cap(16)
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:512" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_too_late_to_change_the_allocator_says_so(no_alloc_conf, monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    expandable_segments_under_cap(16)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "CUDA already started" in caplog.text

@@ -45,6 +45,21 @@ def test_a_write_error_surfaces_in_the_sampling_thread():
         last.close()
 
 
+def test_the_first_mask_is_prepared_before_anyone_asks_for_it():
+    """The first mask is read while the recipes and compile cache load, not after (on the H200 its read and MONAI's
+    import took 6 s after the model was ready)."""
+    prepared = []
+
+    def masks():
+        prepared.append("a")
+        yield "a"
+
+    stream = prefetched(masks())
+    time.sleep(0.5)
+    assert prepared == ["a"]
+    assert list(stream) == ["a"]
+
+
 def test_the_next_mask_is_prepared_while_this_one_samples():
     prepared = []
 
