@@ -169,9 +169,12 @@ def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def train_split(t: Mapping[str, Any]) -> dict[str, Any]:
-    """Training's timings.json -> start-up, first step, steady state, data wait."""
+    """Training's timings.json -> start-up (imports, data, model and recipes, the loop's preparation), first step,
+    steady state, data wait."""
     steady_s = t["ms_per_step"] / 1e3 if t.get("ms_per_step") is not None else None
     return {
+        "imports_s": t.get("run_start_s"), "data_s": gap(t, "run_start_s", "data_ready_s"),
+        "model_s": gap(t, "data_ready_s", "model_built_s"), "loop_prep_s": gap(t, "model_built_s", "loop_start_s"),
         "startup_s": t["loop_start_s"], "first_step_s": t["first_step_s"], "time_to_first_step_s": t["first_step_done_s"],
         "compile_s": round(t["first_step_s"] - steady_s, 4) if steady_s is not None else None,
         "torch_compile_s": torch_compile_s(t),

@@ -115,6 +115,7 @@ class Job(TrainState):
     dataset: Dataset
     tracker: Tracker
     out_dir: Path
+    clock: RunClock  # start-up marks (timings.json), from the process's start
 
 
 def read_loss_log(run: Path) -> tuple[list[int], list[float]]:
@@ -147,10 +148,13 @@ def build(cfg: DictConfig) -> Job:
 
     Under torchrun this joins the process group first and takes this rank's GPU.
     """
+    clock = RunClock("train")
+    clock.mark("run_start")
     device = distributed.init_from_env(cfg.device)
     seed_everything(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     dataset = build_dataset(cfg.data, cfg.model.image_size)
     check_compatible(dataset, cfg.model)
+    clock.mark("data_ready")  # validated, and cached in memory under data.cache=auto|memory
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
     stack.require_training(cfg.train.grad_accum)
@@ -163,6 +167,7 @@ def build(cfg: DictConfig) -> Job:
     schedule = NoiseSchedule.from_config(cfg.diffusion).to(device)
     out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    clock.mark("model_built")  # recipes built, network and EMA on the device
     return Job(
         cfg=cfg,
         device=device,
@@ -176,6 +181,7 @@ def build(cfg: DictConfig) -> Job:
         scaler=stack.grad_scaler(device.type),
         tracker=build_tracker(cfg.get("logger") if rank0 else None, config=resolved),
         out_dir=out_dir,
+        clock=clock,
     )
 
 
@@ -431,7 +437,7 @@ def fit(job: Job) -> dict[str, Any]:
         if job.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(job.device)
         bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
-        timer = LoopTimer(RunClock("train"), job.device, batches, cfg.batch_size * cfg.grad_accum)
+        timer = LoopTimer(job.clock, job.device, batches, cfg.batch_size * cfg.grad_accum)
         t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
         while job.step < cfg.max_steps:
             loss = train_step(job, batches)

@@ -176,6 +176,13 @@ def test_sample_cli_writes_nifti_with_the_mask_affine(trained, shared_dir, tmp_p
     assert [marks[k] for k in order] == sorted(marks[k] for k in order)
 
 
+def test_training_timings_split_the_start_up(trained):
+    """Where a training run's start-up went: imports, the data, the model and recipes, the loop's preparation."""
+    marks = json.loads((trained.parents[1] / "timings.json").read_text())
+    order = ["run_start_s", "data_ready_s", "model_built_s", "loop_start_s", "first_step_done_s"]
+    assert [marks[k] for k in order] == sorted(marks[k] for k in order) and marks["steps"] == 2
+
+
 def test_sample_loads_what_train_saved(trained):
     loaded = load_checkpoint(trained)
     assert loaded.step == 2 and loaded.config["model"]["channel_mult"] == [1, 2]
