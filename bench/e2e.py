@@ -26,6 +26,9 @@ compile_cache          ``cold`` | ``warm`` | ``off`` (no compiled recipe)
 total_s                spawn to exit, measured here
 startup_s              process start to the model ready (imports, CUDA init, checkpoint or data, cache load)
 imports_s, cuda_init_s  of which: to the command's first line (interpreter, imports, Hydra); CUDA context
+checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied); training:
+                       data_s, model_s, loop_prep_s (docs/end-to-end.md has the marks)
+mask_wait_s            sampling: the model ready to the first mask in hand
 first_volume_s         sampling: the first mask (compilation, cuDNN autotuning, CUDA-graph capture)
 per_volume_s           sampling: every later mask, amortised (mask loading and queued writes included)
 compile_s              the first mask's or step's excess over the steady state
@@ -45,6 +48,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -225,19 +229,28 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
     return row
 
 
-TABLE = (("compile_cache", "cache"), ("total_s", "total s"), ("startup_s", "start-up s"),
-         ("first_volume_s", "first mask s"), ("torch_compile_s", "torch.compile s"), ("per_volume_s", "s per later mask"), ("write_exposed_s", "writing shown s"),
+TABLE = (("compile_cache", "cache"), ("total_s", "total s"), ("startup_s", "start-up s"), ("mask_wait_s", "mask wait s"),
+         ("first_volume_s", "first mask s"), ("compile_s", "compiling and capture s"), ("torch_compile_s", "torch.compile s"),
+         ("per_volume_s", "s per later mask"), ("write_exposed_s", "writing shown s"),
          ("time_to_first_step_s", "to first step s"), ("ms_per_volume", "ms per volume"),
          ("data_wait_pct", "data wait %"), ("peak_reserved_gib", "peak reserved GiB"))
 
 
+def failure(row: Mapping[str, Any]) -> str:
+    """``status: why: the log's last line`` (a command's one-line error, or a traceback's exception)."""
+    lines = [line.strip() for line in row["message"].splitlines() if line.strip()]
+    why = lines[0].removesuffix("; log tail:") if lines else ""
+    last = f": {lines[-1]}" if len(lines) > 1 else ""
+    return textwrap.shorten(f"{row['status']}: {why}{last}".replace("|", "/"), 240)
+
+
 def report(rows: list[Mapping[str, Any]]) -> str:
-    """A markdown table of the e2e rows (one line each, failures with their first message line)."""
+    """A markdown table of the e2e rows (one line each, a failure with its reason and the log's last line)."""
     lines = ["| job | " + " | ".join(title for _, title in TABLE) + " | status |",
              "| --- |" + " --- |" * (len(TABLE) + 1)]
     for row in rows:
         cells = ["" if row.get(key) is None else str(row[key]) for key, _ in TABLE]
-        status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row['message'].splitlines()[0]}"
+        status = row["status"] if row["status"] == "ok" else failure(row)
         lines.append(f"| `{row['e2e']}` | " + " | ".join(cells) + f" | {status} |")
     return "\n".join(lines) + "\n"
 

@@ -69,10 +69,13 @@ def test_the_split_is_read_off_the_marks():
 def test_the_report_has_a_line_per_row_and_names_failures():
     rows = [{"e2e": "scenario=e2e_sample masks=4 compile_cache=warm", "status": "ok", "message": "", "total_s": 14.2,
              "per_volume_s": 1.95, "compile_cache": "warm"},
-            {"e2e": "scenario=e2e_train compile_cache=cold", "status": "oom", "message": "exit code 1; log tail:\n..."}]
+            {"e2e": "scenario=e2e_train compile_cache=cold", "status": "oom",
+             "message": "exit code 3; log tail:\n[...] data.cache=auto: memory\nerror: CUDA out of memory. Tried to "
+                        "allocate 1.27 GiB. ...; lower train.batch_size or num_samples\n"}]
     lines = report(rows).splitlines()
     assert len(lines) == 4 and "| warm | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
-    assert lines[3].endswith("| oom: exit code 1; log tail: |")
+    assert lines[3].endswith("| oom: exit code 3: error: CUDA out of memory. Tried to allocate 1.27 GiB. ...; lower "
+                             "train.batch_size or num_samples |")
 
 
 def test_a_job_without_its_keys_and_bad_arguments_are_refused():
