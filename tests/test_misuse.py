@@ -322,14 +322,19 @@ def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
                                  "train.max_steps=100000", f"output_dir={run_dir}"], cwd=tmp_path, stderr=stderr,
                                 stdout=subprocess.DEVNULL,
                                 env={**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
-                                     "PYTHONPATH": str(REPO)})
+                                     "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
         try:
             deadline = time.monotonic() + 120
             while not (run_dir / "loss.jsonl").exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert (run_dir / "loss.jsonl").exists(), err.read_text()
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 130
+            try:
+                assert proc.wait(timeout=60) == 130
+            except subprocess.TimeoutExpired:  # still running: SIGABRT makes faulthandler print every thread's stack
+                proc.send_signal(signal.SIGABRT)
+                proc.wait(timeout=30)
+                pytest.fail(f"no exit 60 s after SIGINT; its threads:\n{err.read_text()[-6000:]}")
         finally:
             proc.kill()
     lines = err.read_text().strip().splitlines()
