@@ -377,6 +377,16 @@ def cap_memory(device: torch.device, gib: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
 
 
+def check_cap_held(gib: float | None, peak_reserved_gib: float | None) -> bool:
+    """Whether the allocator stayed within ``train.memory_cap_gib``; warns when it did not, since then a run that
+    finished here would not be shown to fit a card of that size (timings.json keeps both figures)."""
+    if gib is None or peak_reserved_gib is None or peak_reserved_gib <= gib:
+        return True
+    log.warning("train.memory_cap_gib=%s: the allocator held up to %.2f GiB, above the cap; this run does not show "
+                "that training fits a %s GiB card", gib, peak_reserved_gib, gib)
+    return False
+
+
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
@@ -459,6 +469,7 @@ def fit(job: Job) -> dict[str, Any]:
         summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
     if rank0:
         reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
+        check_cap_held(cfg.get("memory_cap_gib"), reserved)
         timer.write(job.out_dir, compile_cache=cache_status(cache), recipes=job.stack.names,
                     peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
                     memory_cap_gib=cfg.get("memory_cap_gib"))

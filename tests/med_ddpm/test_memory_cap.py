@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from med_ddpm.errors import ConfigError
-from med_ddpm.train import ALLOC_CONF_VARS, cap_memory, expandable_segments_under_cap
+from med_ddpm.train import ALLOC_CONF_VARS, cap_memory, check_cap_held, expandable_segments_under_cap
 
 
 @pytest.fixture
@@ -66,3 +66,11 @@ def test_too_late_to_change_the_allocator_says_so(no_alloc_conf, monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     expandable_segments_under_cap(16)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "CUDA already started" in caplog.text
+
+
+def test_a_peak_above_the_cap_is_flagged(caplog):
+    """A cap the allocator did not hold (were expandable segments to ignore it) must not read as "fits 16 GiB"."""
+    assert check_cap_held(16, 15.9) and check_cap_held(None, 40.0) and check_cap_held(16, None)
+    assert not caplog.text
+    assert not check_cap_held(16, 17.25)
+    assert "train.memory_cap_gib=16: the allocator held up to 17.25 GiB, above the cap" in caplog.text
