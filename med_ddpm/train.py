@@ -392,9 +392,9 @@ ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 def expandable_segments_under_cap(gib: float | None) -> None:
     """Under ``train.memory_cap_gib`` fragmentation decides whether a run fits: the cap counts blocks the allocator
-    keeps cached, and a cached block cannot serve a larger request (the H200 BraTS run under 16 GiB stopped with
-    4.05 GiB cached but unallocated). Expandable segments grow one mapping per stream, so freed memory serves any
-    size. Set before CUDA starts (the allocator reads it then), and never over the user's own allocator settings."""
+    keeps cached, and a cached block cannot serve a larger request. Expandable segments grow one mapping per stream,
+    so freed memory serves any size. Set before CUDA starts (the allocator reads it then), and never over the user's
+    own allocator settings (docs/end-to-end.md, "BraTS on a 16 GB card")."""
     if gib is None or any(var in os.environ for var in ALLOC_CONF_VARS):
         return
     if torch.cuda.is_initialized():

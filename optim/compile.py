@@ -33,7 +33,7 @@ from optim.forward_override import override_forward
 
 MODES = ("default", "reduce-overhead")
 # Let AOTAutograd's cache keep graphs that hold a custom autograd.Function (gather_upsample, dense_conv_grads):
-# torch keeps them out by default, so every warm start traced and partitioned the joint training graph again.
+# torch keeps them out by default, and a warm start then traces and partitions the joint training graph again.
 # The Function's forward and backward are traced into the graph, so its key covers them (pytorch#149751).
 CACHE_FLAGS = {"functorch.autograd_cache_allow_custom_autograd_functions": True}
 LAYOUT_OPTIMIZATION = ("auto", True, False)
