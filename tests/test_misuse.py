@@ -314,15 +314,24 @@ def test_report_of_a_folder_without_results_is_one_line(tmp_path):
     assert re.match(r"error: .*none: no results file \(results\.jsonl\); pass the folder a sweep or ladder wrote", lines[0])
 
 
+def _sigint_default() -> None:
+    """A child of a shell's background job inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt: the command would train on through the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
     """Ctrl-C during training: exit status 130 and ``interrupted``, not a KeyboardInterrupt traceback."""
     run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"
     with err.open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "med_ddpm.train", "model=tiny", "device=cpu", "train.progress=false",
                                  "train.max_steps=100000", f"output_dir={run_dir}"], cwd=tmp_path, stderr=stderr,
-                                stdout=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, preexec_fn=_sigint_default,
                                 env={**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
-                                     "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
+                                     "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1",
+                                     # one OpenMP thread: two spin-waiting ones per process on a loaded 2-core
+                                     # box slow training several-fold (half the CPU time in the kernel)
+                                     "OMP_NUM_THREADS": "1"})
         try:
             deadline = time.monotonic() + 120
             while not (run_dir / "loss.jsonl").exists() and time.monotonic() < deadline:
