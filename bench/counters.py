@@ -226,6 +226,8 @@ def check_options(c: Mapping[str, Any]) -> None:
     if unknown:
         raise ConfigError(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
                          f"use one of {', '.join(FIELDS)}")
+    if c["replay"] not in ncu.REPLAY_MODES:
+        raise ConfigError(f"counters.replay={c['replay']}: must be one of {', '.join(ncu.REPLAY_MODES)}")
     if int(c["steps"]) < 1 or int(c["warmup"]) < 0:
         raise ConfigError(f"counters.steps={c['steps']} / counters.warmup={c['warmup']}: need steps >= 1 and warmup >= 0")
 
@@ -274,10 +276,10 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
     cmd = ncu.profile_command(ncu_path, metrics, report, [sys.executable, "-m", "bench.counters", STEP_FLAG,
                                                           str(job_path)],
                               nvtx_range=c["range"], sections=c["sections"] if c["rules"] else (),
-                              kernel_filter=c["kernel_filter"], max_kernels=c["max_kernels"])
+                              kernel_filter=c["kernel_filter"], max_kernels=c["max_kernels"], replay=c["replay"])
     run = ncu.run(cmd, timeout_s, out / f"{name}.ncu.log")
     passes = ncu.replay_passes(run.log)
-    fields: dict[str, Any] = {"ncu_command": cmd, "ncu_wall_s": run.wall_s,
+    fields: dict[str, Any] = {"ncu_command": cmd, "ncu_wall_s": run.wall_s, "replay": c["replay"],
                               "replay_passes": median(passes) if passes else None}
     failed = outcome(run, timeout_s)
     if failed is None and not report.exists():

@@ -37,6 +37,7 @@ from pathlib import Path
 from bench import process_group
 
 DEFAULT_NCU = "/usr/local/cuda/bin/ncu"
+REPLAY_MODES = ("kernel", "application")  # ncu --replay-mode values profile_command accepts
 TEXT_COLUMNS = frozenset({"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
                           "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit",
                           "Rule Name", "Rule Type", "Rule Description", "Estimated Speedup Type"})
@@ -80,12 +81,16 @@ def run(cmd: Sequence[str], timeout_s: float, log_path: Path | None = None) -> R
 
 def profile_command(ncu: str, metrics: Sequence[str], report: Path, program: Sequence[str], *, nvtx_range: str,
                     sections: Sequence[str] = (), kernel_filter: str | None = None,
-                    max_kernels: int | None = None) -> list[str]:
+                    max_kernels: int | None = None, replay: str = "kernel") -> list[str]:
     """The profiling run: counters of every kernel launched inside the NVTX start/end range
     ``nvtx_range`` (a process range, so kernels launched by autograd's device thread count too),
-    clocks left as they are, exported to ``report`` (``.ncu-rep``)."""
-    cmd = [ncu, "--clock-control", "none", "--target-processes", "application-only", "--nvtx",
-           "--nvtx-include", nvtx_range, "--metrics", ",".join(metrics)]
+    clocks left as they are, exported to ``report`` (``.ncu-rep``).
+
+    ``replay`` is ncu's ``--replay-mode`` (:data:`REPLAY_MODES`): ``kernel`` replays each launch once per
+    metric pass, saving and restoring the memory it writes, so its cost grows with the launches;
+    ``application`` runs ``program`` once per pass instead, and needs the same launches in every run."""
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "application-only", "--replay-mode", replay,
+           "--nvtx", "--nvtx-include", nvtx_range, "--metrics", ",".join(metrics)]
     for section in sections:
         cmd += ["--section", section]
     if kernel_filter:

@@ -199,6 +199,7 @@ def test_collect_reads_the_report_and_writes_the_kernel_table(fake_ncu, tmp_path
     assert fields["replay_passes"] == 10  # median of 9 and 11
     cmd = fields["ncu_command"]
     assert cmd[cmd.index("--nvtx-include") + 1] == "counters" and "--clock-control" in cmd
+    assert cmd[cmd.index("--replay-mode") + 1] == fields["replay"] == "kernel"
     assert cmd.count("--section") == len(j["config"]["counters"]["sections"])
     metrics = cmd[cmd.index("--metrics") + 1].split(",")
     assert "gpc__cycles_elapsed.max" in metrics and counters.STALL_METRIC.format("gmma") in metrics
@@ -207,6 +208,13 @@ def test_collect_reads_the_report_and_writes_the_kernel_table(fake_ncu, tmp_path
     assert fields["counters"]["rules"][0]["rule"] == "CPIStall"
     assert (out / fields["kernels_csv"]).exists()
     assert not list(out.glob("*.ncu-rep")) and not list(out.glob("*_raw.csv"))  # counters.keep_report=false
+
+
+def test_application_replay_runs_the_program_once_per_pass(fake_ncu, tmp_path):
+    fields = counters.collect(job("counters.replay=application"), tmp_path, fake_ncu, timeout_s=60)
+    cmd = fields["ncu_command"]
+    assert fields["status"] == "ok" and fields["replay"] == "application"
+    assert cmd[cmd.index("--replay-mode") + 1] == "application" and cmd.count("--replay-mode") == 1
 
 
 def test_keep_report_keeps_the_pages_read(fake_ncu, tmp_path):
@@ -305,6 +313,8 @@ def test_bad_counter_options_end_with_one_line():
     c = job()["config"]["counters"]
     with pytest.raises(ConfigError, match=r"counters.metrics.cycles is not a field"):
         counters.check_options({**c, "metrics": {**c["metrics"], "cycles": "sm__cycles_elapsed.max"}})
+    with pytest.raises(ConfigError, match=r"^counters.replay=range: must be one of kernel, application$"):
+        counters.check_options({**c, "replay": "range"})
     with pytest.raises(ConfigError, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
     counters.check_options(c)  # the shipped config is valid
