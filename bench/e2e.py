@@ -36,6 +36,7 @@ write_busy_s           sampling: the background writer's time; write_exposed_s: 
 first_step_s           training: the first optimizer step; time_to_first_step_s from process start
 ms_per_volume          training: steady state; data_wait_pct: share of it the loop waited for batches
 peak_mem_gib           ``max_memory_allocated``; peak_reserved_gib: the allocator's (what the GPU holds)
+import_s               seconds per package of the command's imports, lazy ones included (:func:`import_seconds`)
 =====================  ===================================================================================
 """
 
@@ -70,6 +71,8 @@ SCENARIOS = ("e2e_sample", "e2e_train")
 BRATS_SIZE = (144, 192, 192)  # (D, H, W): the original BraTS model's size
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # a cold job's caches must be its own
 JOB_LIMIT_S = 480.0  # one job's own time limit (its warm-up run and its timed run each)
+IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| (\s*)(\S+)\s*$")  # self us | cumulative us | name
+IMPORT_GROUPS = 8  # packages listed in a row's import_s; the rest are summed as "other"
 
 
 def split_job(job: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -125,19 +128,45 @@ def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
 
 
 def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
-          env_extra: Mapping[str, str] | None = None) -> tuple[int | None, float, str]:
+          env_extra: Mapping[str, str] | None = None, importtime: bool = False) -> tuple[int | None, float, str]:
     """Run ``python -m <argv>`` with its caches in ``cache_dir`` (and ``env_extra`` set, e.g. the GPU it may see);
     (exit code or None on timeout, wall s, log tail). The command runs in its own process group, so a timeout
     kills its compile and data-loader workers with it, and no orphan keeps a GPU busy
-    (:mod:`bench.process_group`, which also stops it when bench is stopped)."""
+    (:mod:`bench.process_group`, which also stops it when bench is stopped).
+
+    ``importtime``: the command logs each import's time (``python -X importtime``: a flag, not the environment
+    variable, so torch.compile's worker processes do not log theirs); the tail leaves those lines out."""
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
     env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
     env.update(env_extra or {})
     start = time.time()
     with log.open("w") as out:
-        code, _ = process_group.run([sys.executable, "-m", *argv], timeout_s, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env)
-    return code, time.time() - start, log.read_text(errors="replace")[-STDERR_TAIL:]
+        code, _ = process_group.run([sys.executable, *(["-X", "importtime"] if importtime else []), "-m", *argv],
+                                    timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env)
+    said = [line for line in log.read_text(errors="replace").splitlines(True) if not line.startswith("import time:")]
+    return code, time.time() - start, "".join(said)[-STDERR_TAIL:]
+
+
+def import_seconds(log: str) -> dict[str, float]:
+    """Seconds per package of a command's imports, from the ``-X importtime`` lines in its log.
+
+    Each top-level line is one import statement as it ran (at start-up, or later inside a function, as MONAI's),
+    its cumulative time including the packages it pulled in first; so the groups add up to all the import time.
+    A group is the module's root package, with torch's subpackages apart (``torch._inductor``, ``torch._dynamo``:
+    a compiled recipe's imports). An import on another thread may nest under the main thread's and count there.
+    """
+    totals: dict[str, float] = {}
+    for line in log.splitlines():
+        found = IMPORT_LINE.match(line)
+        if found and not found.group(2):
+            parts = found.group(3).split(".")
+            group = ".".join(parts[:2]) if parts[0] == "torch" and len(parts) > 1 else parts[0]
+            totals[group] = totals.get(group, 0.0) + int(found.group(1)) / 1e6
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    grouped = dict(ranked[:IMPORT_GROUPS])
+    if len(ranked) > IMPORT_GROUPS:
+        grouped["other"] = sum(seconds for _, seconds in ranked[IMPORT_GROUPS:])
+    return {name: round(seconds, 3) for name, seconds in grouped.items()}
 
 
 def torch_compile_s(t: Mapping[str, Any]) -> float | None:
@@ -214,7 +243,7 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
         r"\W+", "_", " ".join(o for o in overrides if not o.startswith("train.max_steps")))[:120]
     prepare_cache(own, cache_dir, lambda timed: spawn(argv, cache_dir, job_dir / "prime.log", timeout_s))
     shutil.rmtree(job_dir / "run", ignore_errors=True)  # no stale timings.json from the warm-up run
-    code, wall, tail = spawn(argv, cache_dir, job_dir / "run.log", timeout_s)
+    code, wall, tail = spawn(argv, cache_dir, job_dir / "run.log", timeout_s, importtime=True)
     timings_path = job_dir / "run" / TIMINGS_FILE
     timings = json.loads(timings_path.read_text()) if code == 0 and timings_path.exists() else None
     row = {"scenario": own["scenario"], "e2e": " ".join(job), "status": "ok", "message": "", "wall_s": round(wall, 3),
@@ -225,6 +254,7 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
         row.update(status="oom" if OOM_PATTERN.search(tail) else "error", message=f"{why}; log tail:\n{tail}")
         return row
     row.update(sample_split(timings) if own["scenario"] == "e2e_sample" else train_split(timings))
+    row["import_s"] = import_seconds((job_dir / "run.log").read_text(errors="replace"))
     row["exit_s"] = round(wall - timings["total_s"], 4)  # from the command's last mark to the end of its process
     return row
 
@@ -245,13 +275,21 @@ def failure(row: Mapping[str, Any]) -> str:
 
 
 def report(rows: list[Mapping[str, Any]]) -> str:
-    """A markdown table of the e2e rows (one line each, a failure with its reason and the log's last line)."""
+    """A markdown table of the e2e rows (one line each, a failure with its reason and the log's last line), then
+    the imports of each row that has them, by package."""
     lines = ["| job | " + " | ".join(title for _, title in TABLE) + " | status |",
              "| --- |" + " --- |" * (len(TABLE) + 1)]
     for row in rows:
         cells = ["" if row.get(key) is None else str(row[key]) for key, _ in TABLE]
         status = row["status"] if row["status"] == "ok" else failure(row)
         lines.append(f"| `{row['e2e']}` | " + " | ".join(cells) + f" | {status} |")
+    timed = [row for row in rows if row.get("import_s")]
+    if timed:
+        lines += ["", "Imports by package, seconds (`python -X importtime`; an import on another thread may count "
+                  "under the main thread's):", "", "| job | all | by package |", "| --- | --- | --- |"]
+        lines += [f"| `{row['e2e']}` | {sum(row['import_s'].values()):.2f} | "
+                  + ", ".join(f"{name} {seconds:.2f}" for name, seconds in row["import_s"].items()) + " |"
+                  for row in timed]
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,17 @@ import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.e2e import command, report, run, sample_split, spawn, split_job, train_split, workload
+from bench.e2e import (
+    command,
+    import_seconds,
+    report,
+    run,
+    sample_split,
+    spawn,
+    split_job,
+    train_split,
+    workload,
+)
 from bench.ladder import e2e_args, e2e_ladder
 from bench.records import read_rows
 from med_ddpm.errors import ConfigError
@@ -66,6 +76,29 @@ def test_the_split_is_read_off_the_marks():
     assert train["torch_compile_s"] is None, "a timings.json without Dynamo's counters: no figure, not zero"
 
 
+def test_imports_are_timed_per_package_and_kept_out_of_the_log_tail(tmp_path):
+    """A real ``python -X importtime`` run: its top-level imports add up per package, torch's subpackages apart,
+    and the tail a failure row quotes holds the command's own lines, not the import log."""
+    (tmp_path / "importer.py").write_text("import json, email.message\nimport sqlite3\nprint('done')\n")
+    code, _, tail = spawn(["importer"], tmp_path / "cache", tmp_path / "run.log", timeout_s=60,
+                          env_extra={"PYTHONPATH": str(tmp_path)}, importtime=True)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 0 and "import time:" in log and tail.strip() == "done"
+    assert {"json", "email", "sqlite3"} <= set(import_seconds(log)) and all(v >= 0 for v in import_seconds(log).values())
+    synthetic = "\n".join([
+        "import time: self [us] | cumulative | imported package",
+        "import time:       500 |     800000 | torch",
+        "import time:       100 |     100000 |   torch._C",  # nested: inside torch's 0.8 s
+        "import time:        50 |     300000 | torch._inductor.compile_fx",
+        "import time:        10 |      20000 | torch._inductor.runtime.cache_dir_utils",
+        "import time:        10 |     200000 | monai",
+        *(f"import time:        10 |       1000 | pkg{i}" for i in range(9)),
+        "[INFO] - a log line"])
+    seconds = import_seconds(synthetic)
+    assert list(seconds)[:3] == ["torch", "torch._inductor", "monai"] and seconds["torch._inductor"] == 0.32
+    assert len(seconds) == 9 and seconds["other"] == 0.004  # 8 groups, then the 4 smallest summed
+
+
 def test_the_report_has_a_line_per_row_and_names_failures():
     rows = [{"e2e": "scenario=e2e_sample masks=4 compile_cache=warm", "status": "ok", "message": "", "total_s": 14.2,
              "per_volume_s": 1.95, "compile_cache": "warm"},
@@ -76,6 +109,8 @@ def test_the_report_has_a_line_per_row_and_names_failures():
     assert len(lines) == 4 and "| warm | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
     assert lines[3].endswith("| oom: exit code 3: error: CUDA out of memory. Tried to allocate 1.27 GiB. ...; lower "
                              "train.batch_size or num_samples |")
+    timed = report([{**rows[0], "import_s": {"torch": 4.25, "torch._inductor": 3.5, "other": 0.25}}]).splitlines()
+    assert timed[-1] == "| `scenario=e2e_sample masks=4 compile_cache=warm` | 8.00 | torch 4.25, torch._inductor 3.50, other 0.25 |"
 
 
 def test_a_job_without_its_keys_and_bad_arguments_are_refused():
@@ -102,6 +137,7 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
     assert sample["status"] == train["status"] == "ok", (sample["message"], train["message"])
     assert sample["volumes"] == 3 and sample["image_size"] == [32, 32, 32] and sample["compile_cache"] == "off"
     assert 0 < sample["startup_s"] < sample["total_s"] and sample["per_volume_s"] > 0 and sample["env"]["torch"]
+    assert sample["import_s"]["torch"] > 0 and "monai" in train["import_s"]  # training builds MONAI transforms
     assert len(list((tmp_path / "jobs" / "e2e_00" / "run").glob("mask_*.nii.gz"))) == 3
     assert train["steady_steps"] == 3 and train["ms_per_volume"] > 0 and 0 <= train["data_wait_pct"] < 100
     timings = json.loads((tmp_path / "jobs" / "e2e_01" / "run" / "timings.json").read_text())
