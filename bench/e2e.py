@@ -36,7 +36,8 @@ write_busy_s           sampling: the background writer's time; write_exposed_s: 
 first_step_s           training: the first optimizer step; time_to_first_step_s from process start
 ms_per_volume          training: steady state; data_wait_pct: share of it the loop waited for batches
 peak_mem_gib           ``max_memory_allocated``; peak_reserved_gib: the allocator's (what the GPU holds)
-import_s               seconds per package of the command's imports, lazy ones included (:func:`import_seconds`)
+import_s               with ``import_times=true``: seconds per package of the command's imports, lazy ones included
+                       (:func:`import_seconds`; ``-X importtime`` adds about a tenth to the import time)
 =====================  ===================================================================================
 """
 
@@ -243,7 +244,8 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
         r"\W+", "_", " ".join(o for o in overrides if not o.startswith("train.max_steps")))[:120]
     prepare_cache(own, cache_dir, lambda timed: spawn(argv, cache_dir, job_dir / "prime.log", timeout_s))
     shutil.rmtree(job_dir / "run", ignore_errors=True)  # no stale timings.json from the warm-up run
-    code, wall, tail = spawn(argv, cache_dir, job_dir / "run.log", timeout_s, importtime=True)
+    importtime = args.get("import_times", "").lower() == "true"
+    code, wall, tail = spawn(argv, cache_dir, job_dir / "run.log", timeout_s, importtime=importtime)
     timings_path = job_dir / "run" / TIMINGS_FILE
     timings = json.loads(timings_path.read_text()) if code == 0 and timings_path.exists() else None
     row = {"scenario": own["scenario"], "e2e": " ".join(job), "status": "ok", "message": "", "wall_s": round(wall, 3),
@@ -254,7 +256,8 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
         row.update(status="oom" if OOM_PATTERN.search(tail) else "error", message=f"{why}; log tail:\n{tail}")
         return row
     row.update(sample_split(timings) if own["scenario"] == "e2e_sample" else train_split(timings))
-    row["import_s"] = import_seconds((job_dir / "run.log").read_text(errors="replace"))
+    if importtime:
+        row["import_s"] = import_seconds((job_dir / "run.log").read_text(errors="replace"))
     row["exit_s"] = round(wall - timings["total_s"], 4)  # from the command's last mark to the end of its process
     return row
 

@@ -33,9 +33,9 @@ WHOLE_HEAD = SHARED / "data" / "whole_head"
 CHECKPOINT = SHARED / "reference" / "wholehead_small_ckpt.pt"  # original Med-DDPM format, 32^3 architecture
 
 
-def args_for(tmp_path: Path) -> dict[str, str]:
+def args_for(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {"out": str(tmp_path), "data_root": str(WHOLE_HEAD), "checkpoint": str(CHECKPOINT),
-            "brats_root": str(tmp_path / "brats")}
+            "brats_root": str(tmp_path / "brats"), **extra}
 
 
 def test_every_e2e_job_is_a_command_that_composes(tmp_path):
@@ -132,7 +132,7 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
              "model.image_size=[16,16,16]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=6",
              "data.num_workers=1"]]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):  # as inside bench.ladder's Hydra app
-        assert run(iter(jobs), args_for(tmp_path)) == 0
+        assert run(iter(jobs), args_for(tmp_path, import_times="True")) == 0
     sample, train = read_rows(tmp_path)
     assert sample["status"] == train["status"] == "ok", (sample["message"], train["message"])
     assert sample["volumes"] == 3 and sample["image_size"] == [32, 32, 32] and sample["compile_cache"] == "off"
@@ -144,7 +144,8 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
     assert timings["steps"] == 6 and timings["volumes_per_step"] == 2
     assert run(iter(jobs), args_for(tmp_path)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
     table = (tmp_path / "e2e.md").read_text().splitlines()
-    assert len(table) == 4 and f"| {sample['total_s']} |" in table[2] and table[3].endswith("| ok |")
+    assert f"| {sample['total_s']} |" in table[2] and table[3].endswith("| ok |") and table[4] == ""
+    assert table[5].startswith("Imports by package") and len(table) == 11  # then a line per row with import_s
 
 
 @pytest.mark.slow
@@ -157,6 +158,7 @@ def test_a_warm_compile_cache_reaches_the_training_loop(tmp_path):
     cold, warm = read_rows(tmp_path)
     assert (cold["status"], warm["status"]) == ("ok", "ok"), (cold["message"], warm["message"])
     assert (cold["compile_cache"], warm["compile_cache"]) == ("cold", "warm")
+    assert "import_s" not in cold and "import time:" not in (tmp_path / "jobs" / "e2e_00" / "run.log").read_text()
     assert len(list((tmp_path / "cache").rglob("train-*.bin"))) == 1
     assert not (tmp_path / "jobs" / "e2e_01" / "prime.log").exists()  # the cold job's cache was reused
 
