@@ -40,7 +40,9 @@ def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(t
     samplers = [c["sampler"] for c in configs if c["sampler"]["name"] not in ("restart", "sa_solver")]
     assert all(s["name"] == "dpm_solver_pp" and s["variant"] == "sde" for s in samplers)
     grid = {(s["steps"], s["order"], s["spacing"]) for s in samplers if s["timesteps"] is None}
-    assert grid == {(n, o, sp) for n in (10, 25, 50) for o in (2, 3) for sp in ("trailing", "quadratic")}
+    assert grid == {(n, o, sp) for n in (10, 25, 50) for o in (2, 3) for sp in ("trailing", "quadratic")} | {
+        (100, 2, "trailing")}  # experiment=fast_sample's own sampler, the last job
+    assert samplers[-1]["steps"] == 100
     assert samplers[0]["steps"] == 25  # the budget first
     searched = [s for s in samplers if s["timesteps"] is not None]
     files = sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml"))  # the committed grids and the test's
