@@ -273,11 +273,15 @@ def smoke_ladder(best: Stack) -> Iterator[Job]:
                 yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
 
 
+AOT = "recipe.compile_cudagraphs.aot=true"  # both fast experiments compile with compile_cudagraphs
+
+
 def e2e_ladder() -> Iterator[Job]:
     """Run by :func:`bench.e2e.run` (the real CLIs in a fresh process, not the step worker): the
     README's sampling and training commands from process start with a cold and a warm compile cache, sampling
-    many masks, and BraTS training with the memory stack, uncapped (its time per volume) and under a 16 GiB cap with
-    EMA averaging and checkpoints.
+    many masks, BraTS training with the memory stack, uncapped (its time per volume) and under a 16 GiB cap with
+    EMA averaging and checkpoints, and last both fast commands with their compiled forward kept ahead of time
+    (``aot=true``, :mod:`optim.precompile`), cold then warm.
     Each job: ``scenario=``, ``compile_cache=``, ``masks=`` (sampling), then the command's overrides (composed by
     ``configs/train.yaml`` or ``sample.yaml``, not ``bench.yaml``)."""
     sample = ["scenario=e2e_sample", "experiment=fast_sample"]
@@ -292,6 +296,9 @@ def e2e_ladder() -> Iterator[Job]:
            "compile_cache=cold"]  # the BraTS loop's time per volume, uncapped (a cap may stop the next one)
     yield ["scenario=e2e_train", "experiment=brats", memory, "train.max_steps=50", "train.ema_start=0",
            "train.save_every=25", "train.sample_every=0", "train.memory_cap_gib=16", "compile_cache=cold"]
+    for command in ([*sample, "masks=4"], train):
+        for cache in ("cold", "warm"):
+            yield [*command, AOT, f"compile_cache={cache}"]
 
 
 # preset= name -> its jobs, from the ladder config (configs/ladder.yaml: best, checkpoint). One line per preset.

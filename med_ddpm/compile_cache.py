@@ -14,7 +14,9 @@ every new process pay inductor's code generation and Triton's kernel compilation
 
 Dynamo still traces the model in every process (seconds), and CUDA-graph trees record their graphs again;
 what the cache removes is inductor's code generation and kernel compilation. A key beside each file
-(``.json``) says what it was built for.
+(``.json``) says what it was built for. A compile recipe with ``aot=true`` also keeps its compiled forward,
+Dynamo's work included, in ``<workload>-<key>-<code>.aot`` (:mod:`optim.precompile`); ``<code>`` is a digest
+of this project's source, because torch checks its own version when it loads the file but not the code it traced.
 
 Example:
     >>> cache = CompileCache.for_run(cfg.paths.compile_cache, stack, device, {"model": ..., "batch": 1})
@@ -37,6 +39,10 @@ import torch
 
 from med_ddpm.utils import atomic_write, atomic_write_text
 from optim import RecipeStack
+from optim.compile import Compile
+from optim.precompile import precompiled_forward
+
+PROJECT_PACKAGES = ("med_ddpm", "optim")  # the source an ahead-of-time compiled forward may have traced
 
 log = logging.getLogger("med_ddpm.compile_cache")
 
@@ -44,6 +50,15 @@ log = logging.getLogger("med_ddpm.compile_cache")
 def device_name(device: torch.device) -> str:
     """The GPU's marketing name (compiled kernels are per architecture), or ``cpu``."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def code_digest() -> str:
+    """A digest of the Python files of :data:`PROJECT_PACKAGES`: any edit there names a new ``.aot`` file."""
+    digest = hashlib.sha256()
+    for package in PROJECT_PACKAGES:
+        for path in sorted((Path(__file__).resolve().parents[1] / package).glob("*.py")):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def cache_key(stack: RecipeStack, device: torch.device, workload: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,17 +81,29 @@ class CompileCache:
         self.key = dict(key)
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.path = self.root / f"{name}-{digest}.bin"
+        self.aot_path = self.root / f"{name}-{digest}-{code_digest()}.aot"
         self.status = "cold"
 
     @classmethod
     def for_run(cls, root: str | Path | None, name: str, stack: RecipeStack, device: torch.device,
                 workload: Mapping[str, Any]) -> CompileCache | None:
-        """The cache of a run, or None when its stack compiles nothing or ``root`` is null (cache off)."""
+        """The cache of a run, or None when its stack compiles nothing or ``root`` is null (cache off). A compile
+        recipe with ``aot`` gets the cache's ``.aot`` file."""
         if root is None or not stack.slow_first_call:
             return None
         cache = cls(root, name, cache_key(stack, device, workload))
         cache.use_inductor_dir()
+        for recipe in stack.recipes:
+            if isinstance(recipe, Compile) and recipe.aot:
+                recipe.aot_file = cache.aot_path
+                cache.remove_stale_aot()
         return cache
+
+    def remove_stale_aot(self) -> None:
+        """Delete this key's ``.aot`` files of other code digests: no later run can load them."""
+        for stale in self.aot_path.parent.glob(self.path.stem + "-*.aot"):
+            if stale != self.aot_path:
+                stale.unlink(missing_ok=True)
 
     def use_inductor_dir(self) -> None:
         """Point inductor's on-disk caches into the cache folder, unless the user chose a folder already.
@@ -117,6 +144,13 @@ class CompileCache:
         atomic_write_text(self.path.with_suffix(".json"), json.dumps(self.key, indent=1, sort_keys=True, default=str))
         log.info("compile cache saved: %s", self.path)
         return self.path
+
+
+def precompiled_report(model: torch.nn.Module) -> dict[str, Any] | None:
+    """What the ahead-of-time compiled forward did (``loaded``, ``saved`` or ``lazy``, and how many calls took the
+    lazy path), for timings.json; None without a compile recipe with ``aot``."""
+    forward = precompiled_forward(model)
+    return None if forward is None else {"status": forward.status, "lazy_calls": forward.lazy_calls}
 
 
 def cache_status(cache: CompileCache | None) -> str:

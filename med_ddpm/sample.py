@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
-from med_ddpm.compile_cache import CompileCache, cache_status
+from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition
 from med_ddpm.errors import (
     CheckpointError,
@@ -252,7 +252,7 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
         volume_s.append(time.perf_counter() - start)
         if len(volume_s) == 1:
             clock.mark("first_volume_done")
-            clock.set(image_size=list(cond.shape[1:]))
+            clock.set(image_size=list(cond.shape[1:]), precompiled=precompiled_report(model))
             if job.cache is not None:
                 job.cache.save()
         for k in range(cfg.num_samples):

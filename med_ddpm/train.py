@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
-from med_ddpm.compile_cache import CompileCache, cache_status
+from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
 from med_ddpm.data import build_dataset
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.errors import (
@@ -470,7 +470,8 @@ def fit(job: Job) -> dict[str, Any]:
     if rank0:
         reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
         check_cap_held(cfg.get("memory_cap_gib"), reserved)
-        timer.write(job.out_dir, compile_cache=cache_status(cache), recipes=job.stack.names,
+        timer.write(job.out_dir, compile_cache=cache_status(cache), precompiled=precompiled_report(job.net),
+                    recipes=job.stack.names,
                     peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
                     memory_cap_gib=cfg.get("memory_cap_gib"))
     job.tracker.finish()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 from optim.base import Capabilities, Recipe, RecipeConflictError
 from optim.channels_last import is_only_channels_last_3d
 from optim.forward_override import override_forward
+from optim.precompile import Precompiled
 
 MODES = ("default", "reduce-overhead")
 # Let AOTAutograd's cache keep graphs that hold a custom autograd.Function (gather_upsample, dense_conv_grads):
@@ -91,9 +93,9 @@ def compile_options(mode: str, backend: str, layout_optimization: bool | None,
 
 
 def _compiled(forward: Callable[..., Any], mode: str, backend: str, layout_optimization: bool | None,
-              inductor: Mapping[str, Any] | None, **options: Any) -> Callable[..., Any]:
-    compiled = torch.compile(forward, backend=backend,
-                             **compile_options(mode, backend, layout_optimization, inductor), **options)
+              inductor: Mapping[str, Any] | None, aot_file: Path | None = None, **options: Any) -> Callable[..., Any]:
+    kwargs = {"backend": backend, **compile_options(mode, backend, layout_optimization, inductor), **options}
+    compiled = Precompiled(forward, kwargs, aot_file) if aot_file else torch.compile(forward, **kwargs)
     if mode != "reduce-overhead":
         return compiled
 
@@ -106,29 +108,32 @@ def _compiled(forward: Callable[..., Any], mode: str, backend: str, layout_optim
         out = compiled(*args, **kwargs)
         return out.clone() if isinstance(out, torch.Tensor) else out
 
+    graphed.compiled_forward = compiled  # type: ignore[attr-defined]  # optim.precompile.precompiled_forward finds it
     return graphed
 
 
 def compile_model(model: nn.Module, mode: str = "default", fullgraph: bool = False,
                   dynamic: bool = False, backend: str = "inductor",
-                  layout_optimization: str | bool = "auto", inductor: Mapping[str, Any] | None = None) -> nn.Module:
+                  layout_optimization: str | bool = "auto", inductor: Mapping[str, Any] | None = None,
+                  aot_file: str | Path | None = None) -> nn.Module:
     """Functional twin: compile ``model.forward`` in place and return the same module.
 
     Call it after any layout change (``to_channels_last_3d``): ``layout_optimization="auto"``
     reads the parameters' layout now. ``inductor``: extra inductor config for this compile only,
-    e.g. ``{"coordinate_descent_tuning": True}``.
+    e.g. ``{"coordinate_descent_tuning": True}``. ``aot_file``: keep the compiled forward in this file
+    (:mod:`optim.precompile`): the first call saves it, a later process loads it instead of tracing.
     """
     check_mode(mode, layout_optimization, inductor, backend)
     return _install(model, mode, fullgraph, dynamic, backend, inductor_layout_optimization(model, layout_optimization),
-                    inductor)
+                    inductor, Path(aot_file) if aot_file else None)
 
 
 def _install(model: nn.Module, mode: str, fullgraph: bool, dynamic: bool, backend: str,
-             layout: bool | None, inductor: Mapping[str, Any] | None) -> nn.Module:
+             layout: bool | None, inductor: Mapping[str, Any] | None, aot_file: Path | None = None) -> nn.Module:
     """Install the compiled forward, with the layout setting already resolved."""
     override_forward(model, functools.partial(_compiled, mode=mode, fullgraph=fullgraph, dynamic=dynamic,
                                               backend=backend, layout_optimization=layout,
-                                              inductor=dict(inductor or {})))
+                                              inductor=dict(inductor or {}), aot_file=aot_file))
     return model
 
 
@@ -137,15 +142,18 @@ class Compile(Recipe):
 
     Runs last in ``prepare_model`` so it sees the final layout, modules and wrappers. Mode
     ``reduce-overhead`` replays CUDA-graph trees: CUDA only, and one micro-batch per optimiser step.
+    ``aot``: compile ahead of time into :attr:`aot_file`, which the command sets from its compile cache
+    (:mod:`optim.precompile`); without a file the forward compiles lazily as with ``aot=false``.
     """
 
     def __init__(self, mode: str = "default", fullgraph: bool = False, dynamic: bool = False,
                  backend: str = "inductor", layout_optimization: str | bool = "auto",
-                 inductor: Mapping[str, Any] | None = None) -> None:
+                 inductor: Mapping[str, Any] | None = None, aot: bool = False) -> None:
         check_mode(mode, layout_optimization, inductor, backend)
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self.layout_optimization = layout_optimization
         self.inductor = dict(inductor or {})
+        self.aot, self.aot_file = bool(aot), None
         self.resolved_layout_optimization: bool | None = None
         graphs = mode == "reduce-overhead"
         self.name = "compile_cudagraphs" if graphs else "compile"
@@ -165,12 +173,12 @@ class Compile(Recipe):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         self.resolved_layout_optimization = inductor_layout_optimization(model, self.layout_optimization)
         return _install(model, self.mode, self.fullgraph, self.dynamic, self.backend,
-                        self.resolved_layout_optimization, self.inductor)
+                        self.resolved_layout_optimization, self.inductor, self.aot_file if self.aot else None)
 
     def options(self) -> dict[str, Any]:
         return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic,
                 "backend": self.backend, "layout_optimization": self.layout_optimization,
-                "inductor": dict(self.inductor)}
+                "inductor": dict(self.inductor), "aot": self.aot}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "inductor_layout_optimization": self.resolved_layout_optimization}

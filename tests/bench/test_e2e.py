@@ -46,7 +46,7 @@ def test_every_e2e_job_is_a_command_that_composes(tmp_path):
         own, overrides = split_job(job)
         argv = command(own, overrides, args_for(tmp_path), tmp_path / f"job{n}")
         rows[" ".join(job)] = workload(argv, None)
-    assert len(rows) == 7
+    assert len(rows) == 11 and sum("compile_cudagraphs.aot=true" in job for job in rows) == 4  # composed: key exists
     train = next(r for k, r in rows.items() if "fast_train" in k)
     assert train["model"] == "medddpm_whole_head" and train["batch_size"] == 2 and "compile_cudagraphs" in train["recipes"]
     sample = next(r for k, r in rows.items() if "masks=32" in k)
@@ -62,7 +62,8 @@ def test_the_split_is_read_off_the_marks():
               "sampling_done_s": 20.0, "total_s": 20.5, "volume_s": [10.0, 2.0, 3.0, 2.5], "volumes": 4,
               "write_busy_s": 2.4, "write_wait_s": 0.1, "torch_compile_s": {"total_wall_time": 6.25}}
     split = sample_split(sample)
-    assert split["torch_compile_s"] == 6.25
+    assert split["torch_compile_s"] == 6.25 and split["precompiled"] is None  # no aot
+    assert sample_split({**sample, "precompiled": {"status": "loaded", "lazy_calls": 0}})["precompiled"] == "loaded"
     assert (split["imports_s"], split["cuda_init_s"], split["startup_s"]) == (2.0, 0.5, 4.0)
     assert (split["checkpoint_s"], split["recipes_s"], split["model_prep_s"], split["mask_wait_s"]) == (0.25, 0.5, 0.75, 0.5)
     assert sample_split({k: v for k, v in sample.items() if k != "recipes_ready_s"})["recipes_s"] is None  # older code
@@ -106,7 +107,7 @@ def test_the_report_has_a_line_per_row_and_names_failures():
              "message": "exit code 3; log tail:\n[...] data.cache=auto: memory\nerror: CUDA out of memory. Tried to "
                         "allocate 1.27 GiB. ...; lower train.batch_size or num_samples\n"}]
     lines = report(rows).splitlines()
-    assert len(lines) == 4 and "| warm | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
+    assert len(lines) == 4 and "| warm |  | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
     assert lines[3].endswith("| oom: exit code 3: error: CUDA out of memory. Tried to allocate 1.27 GiB. ...; lower "
                              "train.batch_size or num_samples |")
     timed = report([{**rows[0], "import_s": {"torch": 4.25, "torch._inductor": 3.5, "other": 0.25}}]).splitlines()

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import nibabel as nib
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from med_ddpm.compile_cache import CompileCache, cache_status
+from med_ddpm.compile_cache import CompileCache, cache_status, code_digest
 from optim import RecipeStack
 from optim.compile import Compile
 
@@ -42,6 +44,23 @@ def test_the_file_is_keyed_by_recipes_options_and_workload(tmp_path, monkeypatch
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
     CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1})
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_a_compile_recipe_with_aot_gets_its_file_and_other_code_digests_go(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded, so teardown undoes what for_run sets
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    aot = RecipeStack([Compile(aot=True)])
+    cache = CompileCache.for_run(tmp_path, "sample", aot, CPU, {"batch": 1})
+    assert aot.recipes[0].aot_file == cache.aot_path == tmp_path / f"{cache.path.stem}-{code_digest()}.aot"
+    assert cache.path != CompileCache.for_run(tmp_path, "sample", stack(), CPU, {"batch": 1}).path  # aot is keyed
+    stale, other = cache.aot_path.with_name(f"{cache.path.stem}-000000000000.aot"), tmp_path / "train-0-0.aot"
+    for path in (stale, other, cache.aot_path):
+        path.write_bytes(b"x")
+    CompileCache.for_run(tmp_path, "sample", aot, CPU, {"batch": 1})
+    assert (stale.exists(), other.exists(), cache.aot_path.exists()) == (False, True, True)
+    plain = stack()
+    CompileCache.for_run(tmp_path, "sample", plain, CPU, {"batch": 1})
+    assert plain.recipes[0].aot_file is None
 
 
 def test_a_missing_or_unreadable_file_is_a_cold_start(tmp_path):
@@ -131,3 +150,22 @@ def test_the_commands_do_not_import_inductor_without_a_compile_recipe():
     probe = "import sys, med_ddpm.train, med_ddpm.sample; print('torch._inductor' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.stdout.split() == ["False"], out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sampling_with_aot_loads_its_compiled_forward_in_the_next_run(tmp_path, shared_dir):
+    """``recipe.compile.aot=true``: the first run saves the compiled forward, the second loads it, same volumes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "HYDRA_FULL_ERROR")}
+    argv = [sys.executable, "-m", "med_ddpm.sample", f"checkpoint={shared_dir / 'reference' / 'wholehead_small_ckpt.pt'}",
+            f"masks={shared_dir / 'data' / 'whole_head' / 'mask' / 'sample_0.nii.gz'}", "image_size=[32,32,32]",
+            "sampler=ddim", "sampler.steps=2", "device=cpu", "recipe=[compile]", "recipe.compile.aot=true",
+            f"paths.compile_cache={tmp_path / 'cache'}", "progress=false"]
+    for run in ("a", "b"):
+        proc = subprocess.run([*argv, f"output_dir={tmp_path / run}"], capture_output=True, text=True, cwd=REPO,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = (json.loads((tmp_path / run / "timings.json").read_text()) for run in ("a", "b"))
+    assert (first["precompiled"], second["precompiled"]) == ({"status": "saved", "lazy_calls": 0},
+                                                           {"status": "loaded", "lazy_calls": 0})
+    volumes = [nib.load(next((tmp_path / run).glob("*.nii.gz"))).get_fdata() for run in ("a", "b")]
+    assert (volumes[0] == volumes[1]).all()

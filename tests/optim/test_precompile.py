@@ -1,0 +1,98 @@
+"""optim.precompile on the CPU: a forward compiled ahead of time is saved, loaded back without tracing and matches
+eager; inputs its guards refuse, an unreadable file, a forward that is not a module's method and a failing
+``aot_compile`` all end on the lazy ``torch.compile`` path with the right output."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optim.compile import compile_model
+from optim.precompile import Precompiled, precompiled_forward
+
+
+class Block(nn.Module):
+    """Convolution, GroupNorm and SiLU: the U-Net's unit, small enough to compile in seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.norm(self.conv(x)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch.compiler.reset()
+
+
+def compiled_block(path, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(compiled block, its eager twin with the same weights)."""
+    torch.manual_seed(seed)
+    eager = Block()
+    twin = Block()
+    twin.load_state_dict(eager.state_dict())
+    return compile_model(twin, aot_file=path), eager
+
+
+def test_a_saved_forward_is_loaded_back_and_matches_eager(tmp_path):
+    path = tmp_path / "block.aot"
+    x = torch.randn(1, 2, 6, 6, 6)
+    first, eager = compiled_block(path)
+    torch.testing.assert_close(first(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert (precompiled_forward(first).status, path.exists()) == ("saved", True)
+    again, eager = compiled_block(path, seed=1)  # other weights: the network is an input of the saved function
+    torch.testing.assert_close(again(x), eager(x), rtol=1e-5, atol=1e-6)
+    forward = precompiled_forward(again)
+    assert (forward.status, forward.lazy_calls) == ("loaded", 0)
+
+
+def test_inputs_the_guards_refuse_take_the_lazy_path(tmp_path):
+    model, eager = compiled_block(tmp_path / "block.aot")
+    model(torch.randn(1, 2, 6, 6, 6))
+    x = torch.randn(2, 2, 4, 4, 4)  # another shape
+    torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert precompiled_forward(model).lazy_calls == 1
+
+
+def test_an_unreadable_file_is_compiled_again(tmp_path, caplog):
+    path = tmp_path / "block.aot"
+    path.write_bytes(b"not a compiled function")
+    model, eager = compiled_block(path)
+    x = torch.randn(1, 2, 6, 6, 6)
+    with caplog.at_level(logging.WARNING, logger="optim.precompile"):
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert precompiled_forward(model).status == "saved" and f"{path}: could not load" in caplog.text
+    assert path.read_bytes() != b"not a compiled function"
+
+
+def test_a_failing_aot_compile_leaves_the_lazy_compile(tmp_path, caplog, monkeypatch):
+    def refuse(self, args, kwargs):
+        raise RuntimeError("Graph breaks are not supported with aot compile.\nmore")
+
+    monkeypatch.setattr(Precompiled, "_build", refuse)
+    path = tmp_path / "block.aot"
+    model, eager = compiled_block(path)
+    x = torch.randn(1, 2, 6, 6, 6)
+    with caplog.at_level(logging.WARNING, logger="optim.precompile"):
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
+    forward = precompiled_forward(model)
+    assert (forward.status, forward.lazy_calls, path.exists()) == ("lazy", 1, False)
+    assert (f"{path}: no ahead-of-time compiled forward (RuntimeError: Graph breaks are not supported with aot "
+            "compile.); compiling it lazily") in caplog.text
+
+
+def test_a_forward_that_is_not_a_module_method_compiles_lazily(tmp_path, caplog):
+    block = Block()
+    forward = Precompiled(lambda x: block(x) * 2, {"backend": "inductor"}, tmp_path / "f.aot")
+    x = torch.randn(1, 2, 4, 4, 4)
+    with caplog.at_level(logging.WARNING, logger="optim.precompile"):
+        torch.testing.assert_close(forward(x), block(x) * 2, rtol=1e-5, atol=1e-6)
+    assert forward.status == "lazy" and "function is not a module's bound forward" in caplog.text
