@@ -96,3 +96,20 @@ def test_a_forward_that_is_not_a_module_method_compiles_lazily(tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="optim.precompile"):
         torch.testing.assert_close(forward(x), block(x) * 2, rtol=1e-5, atol=1e-6)
     assert forward.status == "lazy" and "function is not a module's bound forward" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graphed_forward_is_saved_and_loaded_on_the_gpu(tmp_path):
+    """``compile_cudagraphs`` with ``aot``: CUDA-graph trees over the saved function, loaded back, match eager."""
+    path, x = tmp_path / "block.aot", torch.randn(1, 2, 8, 8, 8, device="cuda")
+    for status in ("saved", "loaded"):
+        torch.manual_seed(0)
+        eager = Block().cuda()
+        model = compile_model(Block().cuda().requires_grad_(False), mode="reduce-overhead", aot_file=path)
+        model.load_state_dict(eager.state_dict())
+        with torch.no_grad():
+            outs = [model(x) for _ in range(3)]  # warm-up, recording, replay
+            torch.testing.assert_close(outs[-1], eager(x), rtol=1e-4, atol=1e-5)
+        forward = precompiled_forward(model)
+        assert (forward.status, forward.lazy_calls) == (status, 0)
