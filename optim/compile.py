@@ -181,4 +181,5 @@ class Compile(Recipe):
                 "inductor": dict(self.inductor), "aot": self.aot}
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "inductor_layout_optimization": self.resolved_layout_optimization}
+        return {**super().describe(), "inductor_layout_optimization": self.resolved_layout_optimization,
+                "aot_file": str(self.aot_file) if self.aot and self.aot_file else None}  # None: compiled lazily
