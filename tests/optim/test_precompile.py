@@ -4,6 +4,7 @@ eager; inputs its guards refuse, an unreadable file, a forward that is not a mod
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -52,6 +53,21 @@ def test_a_saved_forward_is_loaded_back_and_matches_eager(tmp_path):
     torch.testing.assert_close(again(x), eager(x), rtol=1e-5, atol=1e-6)
     forward = precompiled_forward(again)
     assert (forward.status, forward.lazy_calls) == ("loaded", 0)
+
+
+def test_an_ema_copy_shares_the_file_and_takes_the_lazy_path_under_no_grad(tmp_path):
+    """Training's EMA is a deepcopy of the compiled network: its previews run under ``no_grad``, which the saved
+    guards (grad mode on, as training traced it) refuse, so they compile lazily; the training file is left as is."""
+    path, x = tmp_path / "block.aot", torch.randn(1, 2, 6, 6, 6)
+    model, eager = compiled_block(path)
+    model(x)
+    saved = path.read_bytes()
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(ema(x), eager(x), rtol=1e-5, atol=1e-6)
+    forward = precompiled_forward(ema)
+    assert forward is not precompiled_forward(model) and (forward.status, forward.lazy_calls) == ("loaded", 1)
+    assert path.read_bytes() == saved
 
 
 def test_inputs_the_guards_refuse_take_the_lazy_path(tmp_path):
