@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -81,8 +82,13 @@ class CompileCache:
         self.key = dict(key)
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.path = self.root / f"{name}-{digest}.bin"
-        self.aot_path = self.root / f"{name}-{digest}-{code_digest()}.aot"
         self.status = "cold"
+
+    @functools.cached_property
+    def aot_path(self) -> Path:
+        """The ``.aot`` file of a compile recipe with ``aot``: named by the source digest, which reads every project
+        file, so it is computed only for a run that uses it."""
+        return self.path.with_name(f"{self.path.stem}-{code_digest()}.aot")
 
     @classmethod
     def for_run(cls, root: str | Path | None, name: str, stack: RecipeStack, device: torch.device,
