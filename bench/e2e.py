@@ -38,7 +38,7 @@ precompiled            with a compile recipe's ``aot``: ``loaded``, ``saved`` or
 ms_per_volume          training: steady state; data_wait_pct: share of it the loop waited for batches
 peak_mem_gib           ``max_memory_allocated``; peak_reserved_gib: the allocator's (what the GPU holds)
 import_s               with ``import_times=true``: seconds per package of the command's imports, lazy ones included
-                       (:func:`import_seconds`; ``-X importtime`` adds about a tenth to the import time)
+                       (:func:`import_seconds`; ``-X importtime`` lengthens the imports, so it is off by default)
 =====================  ===================================================================================
 """
 
