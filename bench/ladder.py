@@ -122,7 +122,7 @@ def core_ladder(best: Stack) -> Iterator[Job]:
 
 
 # The fewest model calls that pass the N = 32 gate on the quality model: SDE-DPM-Solver++(2M) on the grid
-# bench.experiments.step_search searched for it (bench/results/h200/quality/samplers).
+# med_ddpm.step_search searched for it (bench/results/h200/quality/samplers).
 FEW_CALLS = ["sampler=ays_quality_model_25", "sampler.steps=25"]
 
 
@@ -242,7 +242,7 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     """Few-step stochastic samplers gated on the quality model, each timed with ``experiment=fast_sample``'s stack
     exactly as the quality preset gates it (batch N, the same reference cache): SDE-DPM-Solver++ 2M and 3M on the
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
-    ``configs/sampler/ays_*.yaml`` (written by :mod:`bench.experiments.step_search`), then restart sampling
+    ``configs/sampler/ays_*.yaml`` (written by :mod:`med_ddpm.step_search`), then restart sampling
     (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``), then SA-Solver
     (:mod:`med_ddpm.sa_solver`, τ = 1) at 25 and 10 calls with predictor and corrector of order 2 and 3, and last
     ``experiment=fast_sample``'s own 100-step sampler, so the calls-vs-quality plot spans what ships. The aim: a

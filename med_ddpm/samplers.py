@@ -180,7 +180,7 @@ def make_timesteps(
 
 def explicit_timesteps(timesteps: Sequence[Any], num_train_timesteps: int) -> torch.Tensor:
     """A user's own grid (``sampler.timesteps=[249, 200, ...]``), e.g. one searched by
-    ``bench.experiments.step_search``: integers, strictly decreasing, within [0, T−1]."""
+    ``med_ddpm.step_search``: integers, strictly decreasing, within [0, T−1]."""
     T, ts = num_train_timesteps, list(timesteps)
     ints = all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ts)
     if not ts or not ints or any(a <= b for a, b in zip(ts, ts[1:])) or ts[0] > T - 1 or ts[-1] < 0:

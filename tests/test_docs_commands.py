@@ -11,7 +11,8 @@ The commands are the lines of the fenced code blocks (bash, sh, shell, console o
 * any other module must exist and, where it has ``parse_args``, accept the arguments (a ``preset=`` must be
   one of its ``PRESETS``).
 
-Placeholders (``DIR``, ``CKPT``) stay strings: composing a config opens no file.
+Placeholders (``DIR``, ``CKPT``) stay strings: composing a config opens no file. A search-path folder that an
+earlier command on the page writes is stood in (:func:`stand_in_search_path`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,9 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
+
+from med_ddpm.samplers import make_timesteps
+from med_ddpm.step_search import sampler_snippet
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -173,14 +178,30 @@ def without_slurm_launcher(overrides: list[str]) -> list[str]:
     return rest
 
 
+def stand_in_search_path(overrides: list[str], folder: Path) -> list[str]:
+    """A ``hydra.searchpath=[file://DIR]`` whose DIR does not exist is a folder an earlier command on the page
+    writes: ``med_ddpm.step_search``'s output_dir, whose ``sampler/`` holds the searched grids. Stand it in with
+    ``folder`` holding the sampler config that command writes for the selected ``sampler=`` and ``sampler.steps=``."""
+    options = dict(o.split("=", 1) for o in overrides if "=" in o)
+    search_path = options.get("hydra.searchpath", "")
+    if not search_path or Path(search_path.strip("[]").removeprefix("file://")).exists():
+        return overrides
+    steps = int(options["sampler.steps"])
+    grid = make_timesteps(250, steps, "trailing").tolist()
+    (folder / "sampler").mkdir(parents=True, exist_ok=True)
+    (folder / "sampler" / f"{options['sampler']}.yaml").write_text(sampler_snippet(grid, 2, "a stand-in", 0.0, 0.0))
+    return [f"hydra.searchpath=[file://{folder}]" if o.startswith("hydra.searchpath=") else o for o in overrides]
+
+
 def check_hydra(config_name: str, args: list[str]) -> int:
     overrides = hydra_overrides(args)
     if "hydra/launcher=slurm" in overrides and not has_submitit():
         overrides = without_slurm_launcher(overrides)
-    jobs = sweep_jobs(overrides)
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        for job in jobs:
-            compose(config_name=config_name, overrides=job, return_hydra_config=True)
+    with tempfile.TemporaryDirectory() as folder:
+        jobs = sweep_jobs(stand_in_search_path(overrides, Path(folder)))
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            for job in jobs:
+                compose(config_name=config_name, overrides=job, return_hydra_config=True)
     return len(jobs)
 
 
