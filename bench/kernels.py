@@ -18,12 +18,12 @@ carry no type in their names and are not counted.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
+from med_ddpm.errors import ConfigError, read_json_option
 from med_ddpm.utils import save_figure
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -104,15 +104,13 @@ def short_name(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def load_profile(path: Path, tool: str) -> dict:
-    """One ``bench.profile`` JSON record; a file that cannot be read or is not a profile is an error
-    (``SystemExit``) that names ``tool`` and the file."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise SystemExit(f"{tool}: cannot read {path}: {err}") from err
+def load_profile(path: Path, key: str) -> dict:
+    """One ``bench.profile`` JSON record, named by option ``key``; a file that cannot be read or is not a
+    profile is a :class:`~med_ddpm.errors.ConfigError` naming the option and the file."""
+    fix = "pass a JSON file that bench.profile wrote"
+    record = read_json_option(key, path, fix)
     if not isinstance(record, dict) or "categories_ms" not in record:
-        raise SystemExit(f"{tool}: {path} is not a bench.profile record (no categories_ms)")
+        raise ConfigError(f"{key}={path}: not a bench.profile record (no categories_ms); {fix}")
     return record
 
 

@@ -161,7 +161,7 @@ def load_named(named: dict[str, str]) -> list[dict]:
         raise SystemExit(f"bench.profile: profile.compare needs two or more NAME: PROFILE.json entries, got {named}")
     profiles = []
     for name, path in named.items():
-        record = kernels.load_profile(Path(path), "bench.profile")
+        record = kernels.load_profile(Path(path), f"profile.compare.{name}")
         profiles.append({**record, "label": name, "stack": record["label"], "file": str(path)})
     return profiles
 

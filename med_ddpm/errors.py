@@ -12,9 +12,11 @@ with a value that the code would later change, ignore or divide by.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -81,6 +83,24 @@ def check_one_of(key: str, value: Any, choices: Sequence[str]) -> Any:
     if value not in choices:
         raise ConfigError(f"{key}={value!r}: unknown value; pass one of {', '.join(choices)}")
     return value
+
+
+def check_bool(cfg: DictConfig, key: str) -> bool:
+    """``cfg.<key>`` must be true or false."""
+    value = _value(cfg, key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: must be true or false; pass {key}=true or {key}=false")
+    return value
+
+
+def read_json_option(key: str, path: Any, fix: str) -> Any:
+    """The JSON file that option ``key`` names; a file that is missing, unreadable or not JSON is a
+    :class:`ConfigError` naming the option, the file and ``fix``."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError(f"{key}={path}: cannot read ({problem}); {fix}") from err
 
 
 def check_size(cfg: DictConfig, key: str, optional: bool = False) -> list[int] | None:

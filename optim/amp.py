@@ -10,7 +10,7 @@ loop asks :func:`finite_or_skip` (or the stack's counting guard) before ``backwa
 for a diffusion denoiser is the first convolution, which reads x_t: at small t, x_t = sqrt(abar) x0 +
 sqrt(1 - abar) eps (DDPM eq. 4) carries eps at an amplitude of about 0.014 (cosine schedule, T = 250, t = 0),
 below bf16's 8-bit mantissa resolution on intensities near 1, so bf16 rounding of x_t erases part of the very
-signal the network must read (``bench.experiments.precision_attribution``, group ``input_conv``).
+signal the network must read (``python -m bench.precision_attribution``, group ``input_conv``).
 
 Example:
     >>> with autocast_for("bfloat16", "cuda"):

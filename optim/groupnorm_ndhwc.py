@@ -52,7 +52,7 @@ def group_stats(xs: torch.Tensor, num_groups: int, eps: float) -> tuple[torch.Te
     1. per-channel mean and biased variance over S (``var_mean`` on dim 1): a column reduction
        of a row-major matrix, whose loads are coalesced and which inductor splits over the whole
        GPU at batch 1. (Reducing each group over an (N, S, G, Cg) view instead reads
-       Cg-element runs every C elements: uncoalesced, and slower in ``bench.experiments.micro``.)
+       Cg-element runs every C elements: uncoalesced, and slower in ``bench.micro``.)
     2. the Cg channel statistics of each group combined exactly, all channels having S values
        (Chan et al.'s pairwise update): mean_g = mean_c(mean_c), var_g = mean_c(var_c) +
        mean_c((mean_c - mean_g)²). Welford per channel, then this, has none of the cancellation

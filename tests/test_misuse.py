@@ -7,7 +7,8 @@ A user error ends in exit status 2 and ONE stderr line ``error: <thing>: <proble
 (med_ddpm.cli); nothing runs with a silently changed value. Most rows compose the real config
 and call the real entry function in-process (fast); the rows at the end run real subprocesses
 to prove the single stderr line and the exit status end to end. Rows are grouped by command:
-``med_ddpm.train``, ``med_ddpm.sample``, ``bench.sweep``.
+``med_ddpm.train``, ``med_ddpm.sample``, ``bench.sweep``, ``med_ddpm.evaluate``, ``bench.precision_attribution``,
+``bench.floor``, ``bench.micro``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from bench import sweep
+from bench import floor, micro, precision_attribution, sweep
 from bench.scenarios import UnsupportedStack, prepared_parts
 from med_ddpm import cli, train
 from med_ddpm import utils as med_utils
@@ -44,8 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = str(REPO / "configs")
 # A 2-level net on 8^3: the real code path in about a second per step on a 2-core CPU.
 TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "device=cpu"]
-QUIET = {"train": ["train.progress=false", "train.grad_accum=1"], "sample": ["progress=false"],
-         "bench": ["experiment=bench_smoke"], "evaluate": ["progress=false"]}
+# command -> the overrides every row of it starts from (its config is configs/<command>.yaml)
+BASE = {"train": [*TINY, "train.progress=false", "train.grad_accum=1"], "sample": [*TINY, "progress=false"],
+        "bench": [*TINY, "experiment=bench_smoke"], "evaluate": ["progress=false"], "precision_attribution": TINY,
+        "floor": ["model=tiny"], "micro": ["size=4", "compile=false", "iters=1"]}
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Slip:
     """One row of tests/misuse.yaml: a command, its overrides, the exit status and the pattern of the
     line after ``error: ``."""
 
-    command: str  # train | sample | bench | evaluate
+    command: str  # a key of BASE
     id: str
     overrides: str  # space-separated
     error: str
@@ -69,10 +72,9 @@ SLIPS = [Slip(**row) for row in yaml.safe_load((Path(__file__).with_name("misuse
 
 
 def compose_cfg(command: str, overrides: list[str], out: Path | None = None):
-    name = {"train": "train", "sample": "sample", "bench": "bench", "evaluate": "evaluate"}[command]
     extra = [f"output_dir={out}"] if out is not None else []
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        return compose(config_name=name, overrides=[*(TINY if command != "evaluate" else []), *QUIET[command], *extra, *overrides])
+        return compose(config_name=command, overrides=[*BASE[command], *extra, *overrides])
 
 
 def refusal(capsys, call, *args, status: int = 2) -> str:
@@ -94,7 +96,8 @@ def composed_or_refused(capsys, slip: Slip, overrides: list[str], out: Path) -> 
         assert line is not None and "\n" not in line and slip.status == 2, str(err)
         return line
     check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options),
-             "evaluate": evaluate.main}[slip.command]
+             "evaluate": evaluate.main, "precision_attribution": precision_attribution.main, "floor": floor.main,
+             "micro": micro.main}[slip.command]
     return refusal(capsys, check, cfg, status=slip.status)
 
 
@@ -241,7 +244,13 @@ def run_cli(module: str, *args: str, cwd: Path, env: dict | None = None) -> subp
     ("med_ddpm.train", ["sampler=ddim", "sampler.steps=0"], r"^error: sampler\.steps=0: must be in \[1, 250\]"),
     ("med_ddpm.train", ["recipe=[tf23]"], r"^error: recipe=tf23: no configs/recipe/tf23\.yaml; valid names: amp_bf16"),
     ("bench.sweep", ["experiment=bench_smoke", "bench.iters=0"], r"^error: bench\.iters=0: must be an integer >= 1"),
-], ids=["train-steps-zero", "train-recipe-unknown", "bench-iters-zero"])
+    ("bench.precision_attribution", ["device=cpu", "checkpoint=/nonexistent/last.pt"],
+     r"^error: checkpoint not found: /nonexistent/last\.pt; check the path$"),
+    ("bench.floor", ["profile=/nonexistent/p.json", "peaks=/nonexistent/peaks.json"],
+     r"^error: profile=/nonexistent/p\.json: cannot read \(No such file or directory\); pass a JSON file"),
+    ("bench.micro", ["kinds=[convs]"], r"^error: kinds='convs': unknown value; pass one of groupnorm, "),
+], ids=["train-steps-zero", "train-recipe-unknown", "bench-iters-zero", "precision-attribution-checkpoint-missing",
+        "floor-profile-missing", "micro-kinds-unknown"])
 def test_cli_prints_one_line_and_exits_2(module, args, pattern, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()

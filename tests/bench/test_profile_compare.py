@@ -11,6 +11,7 @@ import pytest
 
 from bench import kernels
 from bench.profile import load_named, write_comparison
+from med_ddpm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,9 +47,9 @@ def test_same_stack_at_two_commits_gets_named_columns_and_the_change(tmp_path) -
 def test_bad_input_names_the_file(tmp_path) -> None:
     good = _profile(tmp_path / "a.json", "fp32", 1.0)
     (tmp_path / "rows.json").write_text(json.dumps({"ms_median": 1.0}))
-    with pytest.raises(SystemExit, match="rows.json is not a bench.profile record"):
+    with pytest.raises(ConfigError, match=r"^profile\.compare\.b=.*rows\.json: not a bench\.profile record"):
         load_named({"a": str(good), "b": str(tmp_path / "rows.json")})
-    with pytest.raises(SystemExit, match="cannot read .*missing.json"):
+    with pytest.raises(ConfigError, match=r"^profile\.compare\.b=.*missing\.json: cannot read \(No such file"):
         load_named({"a": str(good), "b": str(tmp_path / "missing.json")})
     with pytest.raises(SystemExit, match="two or more"):
         load_named({"a": str(good)})

@@ -1,14 +1,18 @@
-"""bench.experiments.micro: the GroupNorm forms it times agree with GroupNorm32, the upsampling forms with
-F.interpolate, and it writes one record."""
+"""bench.micro: the GroupNorm forms it times agree with GroupNorm32, the upsampling forms with F.interpolate,
+and the command writes one record of the kinds asked for."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
-from bench.experiments import micro
+from bench import micro
+
+CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 @pytest.mark.filterwarnings("ignore:noisy timing")
@@ -35,11 +39,17 @@ def test_run_writes_rows_for_every_form_and_conv(tmp_path) -> None:
     assert all("error" not in r and r["max_abs_err"] < 1e-4 and r["ms_median"] > 0 for r in bwd), bwd
 
 
-def test_kinds_selects_rows_and_rejects_unknown_ones(tmp_path) -> None:
-    record = json.loads(micro.run(tmp_path, size=8, compile=False, iters=2, kinds=("conv",)).read_text())
-    assert {r["kind"] for r in record["rows"]} == {"conv3d"}
-    with pytest.raises(SystemExit, match="unknown kinds"):
-        micro.run(tmp_path, size=8, kinds=("convs",))
+@pytest.mark.filterwarnings("ignore:noisy timing")
+@pytest.mark.parametrize("kinds, rows", [("kinds=[conv,upsample]", {"conv3d", "upsample_x2"}),
+                                         ("kinds=conv", {"conv3d"})])
+def test_the_command_times_the_kinds_asked_for(kinds, rows, tmp_path, capsys) -> None:
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("micro", overrides=[kinds, "size=4", "compile=false", "iters=1",
+                                          f"output_dir={tmp_path}"])
+    micro.main(cfg)
+    record = json.loads((tmp_path / "micro.json").read_text())
+    assert {r["kind"] for r in record["rows"]} == rows and record["size"] == 4
+    assert capsys.readouterr().out.strip().endswith(str(tmp_path / "micro.json"))
 
 
 def test_the_compiled_ndhwc_form_matches_groupnorm32() -> None:
@@ -49,7 +59,3 @@ def test_the_compiled_ndhwc_form_matches_groupnorm32() -> None:
     fn, inp = cases["compiled NDHWC form (fused_groupnorm)"]
     assert inp.is_contiguous(memory_format=torch.channels_last_3d)
     torch.testing.assert_close(fn(inp, 32, w, b, 1e-5), micro.group_norm_silu(x, 32, w, b, 1e-5), rtol=1e-5, atol=1e-5)
-
-
-def test_bad_arguments_print_usage() -> None:
-    assert micro.main(["size=8"]) == 2 and micro.main(["out=x", "bogus=1"]) == 2

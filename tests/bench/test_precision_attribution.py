@@ -1,15 +1,19 @@
-"""bench.experiments.precision_attribution on the tiny model (CPU bf16 autocast): every group is measured both ways, an fp32
-island restores the module, and keeping the convolutions in float32 removes most of the error."""
+"""bench.precision_attribution on the tiny model (CPU bf16 autocast): every group is measured both ways, an fp32
+island restores the module, keeping the convolutions in float32 removes most of the error, and the command writes
+its record."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
-from bench.experiments.precision_attribution import (
+from bench.precision_attribution import (
     GROUPS,
     attribute,
     autocast_except,
+    main,
     members,
     probe_inputs,
     table,
@@ -19,6 +23,7 @@ from med_ddpm.model import UNet3D
 from med_ddpm.quality import randomize_zero_init
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +56,14 @@ def test_attribution_finds_the_convolutions(setup):
     assert "| residual_convs |" in table(result)
 
 
-def test_the_written_result_carries_its_arguments_and_commit(tmp_path):
-    from bench.experiments.precision_attribution import main
-
-    assert main(["model=tiny", "device=cpu", "n=1", f"out={tmp_path}"]) == 0
+def test_the_written_result_carries_its_config_and_commit(tmp_path, capsys):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("precision_attribution", overrides=["model=tiny", "model.image_size=[8,8,8]",
+                                                          "model.channel_mult=[1,2]", "model.attention_ds=[2]",
+                                                          "device=cpu", "n=1", f"output_dir={tmp_path}"])
+    main(cfg)
     record = json.loads((tmp_path / "precision_attribution.json").read_text())
-    assert record["args"]["model"] == "tiny" and len(record["git_sha"]) == 40 and "dirty" in record
+    assert record["config"]["model"]["channel_mult"] == [1, 2] and record["config"]["dtype"] == "bfloat16"
+    assert len(record["git_sha"]) == 40 and "dirty" in record and record["env"]["torch"] == torch.__version__
     assert record["groups"]["input_conv"]["modules"] == 1
+    assert "| residual_convs |" in capsys.readouterr().out

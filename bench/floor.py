@@ -18,27 +18,32 @@ floor is taken as 0, so the gap it shows is an upper bound of what fusing it awa
 The rates are measured on the GPU in use (``measure=true``: a 8192³ bf16 matmul and a 2 GiB copy,
 medians of 20), not taken from a datasheet: they are what a kernel here can reach.
 
-Usage:
-    python -m bench.experiments.floor measure=true out=/tmp/peaks.json                      # on the GPU
-    python -m bench.experiments.floor profile=DIR/train_step_....json peaks=/tmp/peaks.json  # anywhere
-        [model=medddpm_whole_head] [out=DIR/floor.md]
+Run (options in configs/floor.yaml; docs/benchmarking.md)::
+
+    python -m bench.floor measure=true output_dir=results/peaks                    # on the GPU: peaks.json
+    python -m bench.floor profile=PROFILE.json peaks=results/peaks/peaks.json      # anywhere: floor.md
+
+``PROFILE.json`` is the JSON file (``<scenario>_<label>.json``) that ``bench.profile`` wrote for a train_step
+or denoise_step, and ``model=`` the network it timed (default: medddpm_whole_head). Each run prints its result
+and writes it into ``output_dir`` (default: Hydra's run directory, ``outputs/floor/<time>``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from bench import kernels
-from bench.sweep import CONFIG_DIR
 from bench.timing import time_fn
+from med_ddpm import cli
+from med_ddpm.errors import ConfigError, check_bool, read_json_option
 from med_ddpm.model import build_model
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
@@ -48,6 +53,7 @@ CONVS = (torch.nn.Conv1d, torch.nn.Conv3d)  # the attention's qkv/proj are 1-D c
 CONV_PASSES = {"denoise_step": 1, "train_step": 3}
 NORM_CATEGORIES = ("elementwise / activation", "normalisation")
 MATMUL_N, COPY_BYTES = 8192, 2 << 30
+PEAKS_FIX = "pass the peaks.json that `python -m bench.floor measure=true` wrote"
 
 
 def workload(model_cfg: Mapping[str, Any], batch_size: int = 1) -> dict[str, float]:
@@ -75,7 +81,8 @@ def workload(model_cfg: Mapping[str, Any], batch_size: int = 1) -> dict[str, flo
 def floors_ms(counts: Mapping[str, float], scenario: str, peaks: Mapping[str, float]) -> dict[str, float]:
     """Convolution and GroupNorm floors of one step, in ms (see the module docstring)."""
     if scenario not in GN_PASSES:
-        raise ValueError(f"bench.experiments.floor: no floor model for scenario {scenario!r}; known: {sorted(GN_PASSES)}")
+        raise ConfigError(f"profile: a {scenario} profile has no floor model; pass a profile of "
+                          f"{' or '.join(GN_PASSES)}")
     return {"convolution": CONV_PASSES[scenario] * counts["conv_flops"] / (peaks["bf16_tflops"] * 1e9),
             "groupnorm": GN_PASSES[scenario] * counts["gn_bytes"] / (peaks["copy_tb_s"] * 1e9)}
 
@@ -107,23 +114,45 @@ def table(profile: Mapping[str, Any], floors: Mapping[str, float], peaks: Mappin
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
-    if len(args) != len(argv) or not (args.get("measure") == "true" or {"profile", "peaks"} <= set(args)):
-        raise SystemExit(__doc__.split("Usage:")[1])
-    if args.get("measure") == "true":
-        text = json.dumps(measure_peaks(resolve_device("auto")), indent=1)
-    else:
-        profile = kernels.load_profile(Path(args["profile"]), "bench.experiments.floor")
-        peaks = json.loads(Path(args["peaks"]).read_text())
-        model_cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / f"{args.get('model', 'medddpm_whole_head')}.yaml"))
-        counts = workload(model_cfg, int(profile["batch_size"]))
-        text = table(profile, floors_ms(counts, profile["scenario"], peaks), peaks)
-    if "out" in args:
-        atomic_write_text(Path(args["out"]), text)
+def read_peaks(path: str) -> dict[str, Any]:
+    """The rates a ``measure=true`` run wrote (option ``peaks``)."""
+    peaks = read_json_option("peaks", path, PEAKS_FIX)
+    if not isinstance(peaks, dict) or not {"bf16_tflops", "copy_tb_s"} <= set(peaks):
+        raise ConfigError(f"peaks={path}: no bf16_tflops and copy_tb_s; {PEAKS_FIX}")
+    return peaks
+
+
+def floor_table(cfg: DictConfig) -> str:
+    """The markdown table of ``cfg.profile`` against the floors of ``cfg.model`` at ``cfg.peaks``' rates."""
+    profile = kernels.load_profile(Path(cfg.profile), "profile")
+    peaks = read_peaks(cfg.peaks)
+    counts = workload(OmegaConf.to_container(cfg.model, resolve=True), int(profile["batch_size"]))
+    return table(profile, floors_ms(counts, profile["scenario"], peaks), peaks)
+
+
+def check_mode(cfg: DictConfig) -> bool:
+    """Whether to measure (``measure=true``) rather than read a profile; either one, with all it needs."""
+    if check_bool(cfg, "measure"):
+        if cfg.profile is not None:
+            raise ConfigError(f"measure=true and profile={cfg.profile}: measure=true only measures this GPU's "
+                              "rates; pass one of them")
+        return True
+    for key in ("profile", "peaks"):
+        if cfg[key] is None:
+            raise ConfigError(f"{key}: has no value; pass profile=PROFILE.json peaks=PEAKS.json, or measure=true "
+                              "on the GPU")
+    return False
+
+
+@hydra.main(config_path="../configs", config_name="floor", version_base="1.3")
+@cli.entry
+def main(cfg: DictConfig) -> None:
+    measure = check_mode(cfg)
+    out = cli.output_dir(cfg)
+    text = json.dumps(measure_peaks(resolve_device("auto")), indent=1) if measure else floor_table(cfg)
     print(text)
-    return 0
+    print(atomic_write_text(out / ("peaks.json" if measure else "floor.md"), text))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    cli.run(main)

@@ -1,8 +1,8 @@
-"""Where does a reduced-precision ε error come from? Attribute it to groups of modules.
+"""Where a reduced-precision ε error comes from: the error attributed to groups of modules.
 
-bf16 autocast moves ε a few per cent from strict FP32 on the quality model. To find which modules to keep in
-float32 (an fp32 island) this command measures, on identical inputs x_t (phantoms noised to a few t), the ε
-error against strict FP32 of:
+bf16 autocast moves the network's ε away from strict FP32. To choose which modules to keep in float32 (an fp32
+island) this command measures, on identical inputs x_t (phantoms noised to a few t), the ε error against strict
+FP32 of:
 
 * ``all``: the whole network under autocast;
 * ``all but G``: autocast everywhere except the modules of group G, which run in float32 (their inputs cast
@@ -11,28 +11,34 @@ error against strict FP32 of:
 
 Groups: ``groupnorm`` (every GroupNorm), ``time_embedding`` (the timestep MLP), ``attention`` (the attention
 blocks), ``output_conv`` (the final GroupNorm + SiLU + conv), ``input_conv`` (the first conv, which reads
-x_t), ``residual_convs`` (every other Conv3d). The
-error is the relative L2 of ε and the per-sample slope of ε on the FP32 ε (a scale bias: see
-:mod:`med_ddpm.gate`). The remainder not explained by any group is accumulation across groups.
+x_t), ``residual_convs`` (every other Conv3d). The error is the relative L2 of ε and the per-sample slope of ε
+on the FP32 ε (a scale bias: see :mod:`med_ddpm.gate`). The remainder not explained by any group is
+accumulation across groups.
 
-Example (CPU, the tiny model, seeded random weights):
-    python -m bench.experiments.precision_attribution model=tiny device=cpu n=2
-    python -m bench.experiments.precision_attribution model=quality_model checkpoint=runs/quality_model/checkpoints/last.pt dtype=bfloat16
+Run (options in configs/precision_attribution.yaml; docs/quality.md)::
+
+    python -m bench.precision_attribution model=tiny device=cpu n=1
+    python -m bench.precision_attribution model=quality_model checkpoint=runs/quality_model/checkpoints/last.pt
+
+It prints the table and writes ``precision_attribution.json`` (the errors, the config, the environment and the
+commit) into ``output_dir`` (default: Hydra's run directory, ``outputs/precision_attribution/<time>``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from bench.records import provenance
+from med_ddpm import cli
+from med_ddpm.errors import check_choice, check_device, check_int
 from med_ddpm.model import INPUT_CONV
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.quality import gate_model
@@ -48,6 +54,7 @@ GROUPS: dict[str, Callable[[str, nn.Module], bool]] = {
     "residual_convs": lambda name, m: isinstance(m, nn.Conv3d) and name != INPUT_CONV and not name.startswith("out."),
 }
 PROBE_FRACTIONS = (0.0, 0.5, 0.96)  # t / T: low noise, middle, near pure noise
+DTYPES = ("bfloat16", "float16")  # the autocast dtypes measured against float32
 
 
 def members(model: nn.Module, group: str) -> list[nn.Module]:
@@ -136,31 +143,21 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    known = {"model", "checkpoint", "device", "n", "dtype", "out"}
-    if len(args) != len(argv) or set(args) - known:
-        raise SystemExit(f"bench.experiments.precision_attribution: arguments are key=value with keys {sorted(known)}")
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from bench.sweep import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("bench", overrides=[f"model={args.get('model', 'tiny')}", "output_dir=unused"])
-    device = resolve_device(args.get("device", "auto"))
-    dtype = getattr(torch, args.get("dtype", "bfloat16"))
-    node = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "diffusion")}
-    model, schedule = gate_model(node, args.get("checkpoint"), seed=0)
+@hydra.main(config_path="../configs", config_name="precision_attribution", version_base="1.3")
+@cli.entry
+def main(cfg: DictConfig) -> None:
+    n, dtype = check_int(cfg, "n", 1), getattr(torch, check_choice(cfg, "dtype", DTYPES))
+    check_device(cfg)
+    out = cli.output_dir(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    device = resolve_device(cfg.device)
+    model, schedule = gate_model(config, cfg.checkpoint, seed=0)
     model, schedule = model.to(device).eval(), schedule.to(device)
-    inputs = probe_inputs(model, schedule, int(args.get("n", 2)), cfg.model.image_size, device)
-    result = attribute(model, inputs, device, dtype)
+    result = attribute(model, probe_inputs(model, schedule, n, cfg.model.image_size, device), device, dtype)
     print(table(result), end="")
-    if "out" in args:  # with the command's arguments, the environment and the commit (bench.records)
-        record = {**result, "args": args, "env": env_info(device), **provenance()}
-        atomic_write_text(Path(args["out"]) / "precision_attribution.json", json.dumps(json_safe(record), indent=2))
-    return 0
+    record = {**result, "config": config, "env": env_info(device), **provenance()}
+    print(atomic_write_text(out / "precision_attribution.json", json.dumps(json_safe(record), indent=2)))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli.run(main)

@@ -23,28 +23,33 @@ activation of C channels at size³), so a form can be chosen before a ladder run
   gather forward (:func:`optim.upsample.trilinear_x2_forward`), compiled; ``ms_per_volume`` shows
   whether a form's cost grows with the batch.
 
-Usage:
-    python -m bench.experiments.micro out=bench/results/h200/tuning/micro      # 128³, bf16 (CUDA) / float32 (CPU)
-    python -m bench.experiments.micro out=/tmp/micro size=16 compile=false     # quick check
-    python -m bench.experiments.micro out=/tmp/micro kinds=conv                # only the end convolutions
-    python -m bench.experiments.micro out=/tmp/micro kinds=groupnorm_backward  # the GroupNorm backward forms
+Run (options in configs/micro.yaml; docs/benchmarking.md)::
 
-Writes ``OUT/micro.json`` (env + rows) atomically; a failing case becomes a row with ``error``.
+    python -m bench.micro                                       # every kind at 128³: bf16 (CUDA) / float32 (CPU)
+    python -m bench.micro size=16 compile=false                 # a quick check
+    python -m bench.micro 'kinds=[conv]'                        # only the end convolutions
+    python -m bench.micro 'kinds=[groupnorm_backward]'          # only the GroupNorm backward forms
+
+Prints each row as a JSON line and writes ``micro.json`` (environment and rows) atomically into ``output_dir``
+(default: Hydra's run directory, ``outputs/micro/<time>``); a failing case becomes a row with ``error``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from bench.timing import time_fn
+from med_ddpm import cli
+from med_ddpm.errors import ConfigError, check_bool, check_int, check_one_of
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim.cudnn_benchmark import cudnn_benchmark_enabled
 from optim.fused_groupnorm import (
@@ -217,8 +222,6 @@ KINDS = {"groupnorm": groupnorm_rows, "groupnorm_backward": groupnorm_backward_r
 
 def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30, kinds: tuple[str, ...] = tuple(KINDS)) -> Path:
     """Time the ``kinds`` of rows (keys of :data:`KINDS`) and write ``out/micro.json``."""
-    if unknown := set(kinds) - set(KINDS):
-        raise SystemExit(f"bench.micro: unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
     device = resolve_device("auto")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with cudnn_benchmark_enabled():  # as the cudnn_benchmark recipe: the convs' best algorithm
@@ -229,17 +232,20 @@ def run(out: Path, size: int = 128, compile: bool = True, iters: int = 30, kinds
     return atomic_write_text(out / "micro.json", json.dumps(record, indent=1))
 
 
-def main(argv: list[str]) -> int:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if "out" not in args or set(args) - {"out", "size", "compile", "iters", "kinds"}:
-        print("usage: python -m bench.experiments.micro out=DIR [size=128] [compile=true|false] [iters=30] "
-              f"[kinds={','.join(KINDS)}]", file=sys.stderr)
-        return 2
-    path = run(Path(args["out"]), int(args.get("size", 128)), args.get("compile", "true") == "true",
-               int(args.get("iters", 30)), tuple(args.get("kinds", ",".join(KINDS)).split(",")))
-    print(path)
-    return 0
+def check_kinds(cfg: DictConfig) -> tuple[str, ...]:
+    """``kinds``: a list of :data:`KINDS` keys (or one key)."""
+    kinds = tuple(cfg.kinds) if OmegaConf.is_list(cfg.kinds) else (cfg.kinds,)
+    if not kinds:
+        raise ConfigError(f"kinds=[]: no rows to time; pass kinds=[...] with some of {', '.join(KINDS)}")
+    return tuple(check_one_of("kinds", kind, list(KINDS)) for kind in kinds)
+
+
+@hydra.main(config_path="../configs", config_name="micro", version_base="1.3")
+@cli.entry
+def main(cfg: DictConfig) -> None:
+    kinds, size, iters = check_kinds(cfg), check_int(cfg, "size", 2), check_int(cfg, "iters", 1)
+    print(run(cli.output_dir(cfg), size, check_bool(cfg, "compile"), iters, kinds))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    cli.run(main)

@@ -1,1 +1,0 @@
-"""Investigation scripts, not product commands: see README.md here."""
