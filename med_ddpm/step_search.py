@@ -85,7 +85,7 @@ def denoised_distances(model: Model, schedule: NoiseSchedule, batches: Iterable[
     T = schedule.num_train_timesteps
     gram, voxels = torch.zeros(T, T, dtype=torch.float64), 0
     for x0, cond in batches:
-        eps = torch.randn(x0.shape, generator=generator).to(x0.device, memory_format=torch.preserve_format)
+        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
         rows = []
         for t in tqdm(range(T), desc="x̂0 at every t", disable=not progress, leave=False):
             tb = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long)

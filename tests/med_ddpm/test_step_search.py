@@ -172,6 +172,18 @@ def test_command_searches_on_whole_head_niftis(checkpoint, tmp_path):
     assert runs["files"]["results"]["5"]["bound"] != runs["phantoms"]["results"]["5"]["bound"]
 
 
+def test_command_runs_inside_a_recipe_stack(checkpoint, tmp_path):
+    """The forwards run in the stack's layout: channels_last_3d (exact) finds the strict-FP32 grids."""
+    results = []
+    for name, recipe in (("fp32", "recipe=[]"), ("cl", "recipe=[channels_last_3d]")):
+        step_search.main(compose_search([f"checkpoint={checkpoint}", "n=2", "steps=[5]", f"output_dir={tmp_path / name}",
+                                         recipe]))
+        results.append(json.loads((tmp_path / name / "step_search.json").read_text()))
+    assert results[1]["recipes"] == ["channels_last_3d"]
+    assert results[0]["results"]["5"]["grid"] == results[1]["results"]["5"]["grid"]
+    assert results[1]["results"]["5"]["bound"] == pytest.approx(results[0]["results"]["5"]["bound"], rel=1e-4)
+
+
 @pytest.mark.parametrize("overrides, pattern", [
     (["steps=[0]"], r"^steps=0: must be an integer >= 1"),
     (["steps=[60]"], r"^steps=60: must be an integer in \[1, 50\] \(the checkpoint's schedule has T = 50"),
