@@ -26,9 +26,10 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from bench.records import provenance
+from bench.sweep import CONFIG_DIR
 from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
 from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
@@ -43,7 +44,9 @@ from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
 from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
 
-HELD_OUT_SEED = 10_000  # phantoms of experiment=quality_model come from seed 0 (data.num_volumes of them)
+# Phantoms of experiment=quality_model come from seed 0; data=held_out_phantoms (med_ddpm.step_search's default
+# data) names the seed of those it never trains on.
+HELD_OUT_SEED = int(OmegaConf.load(CONFIG_DIR / "data" / "held_out_phantoms.yaml").seed)
 
 
 def held_out_phantoms(n: int, image_size: tuple[int, ...], variant: str) -> tuple[torch.Tensor, torch.Tensor]:
