@@ -48,7 +48,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from med_ddpm.errors import UserError
+from med_ddpm.errors import OutputError, UserError
 from optim.base import RecipeConflictError, UnsupportedRecipeError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -207,6 +207,13 @@ def output_dir(cfg: DictConfig) -> Path:
     if OmegaConf.is_missing(cfg, "output_dir"):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     return Path(cfg.output_dir)
+
+
+def refuse_earlier_results(out_dir: Path, marker: str, what: str) -> None:
+    """A run must not replace an earlier run's results without a word: ``marker`` in ``out_dir`` says one ran."""
+    if (out_dir / marker).exists():
+        raise OutputError(f"output_dir={out_dir}: already holds {what} ({marker}); choose another output_dir=, or "
+                          "remove it")
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ from med_ddpm.stats import (
 )
 from med_ddpm.utils import atomic_write_text, json_safe, save_figure
 
+log = logging.getLogger("med_ddpm.evaluate")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 HIST_BINS = 256
@@ -60,16 +62,20 @@ HIST_BINS = 256
 
 # ----------------------------------------------------------------------------- input
 def list_volumes(folder: str | Path, key: str) -> list[Path]:
-    """The NIfTI files of ``folder`` (hidden files skipped); any other file is an error, not ignored."""
+    """The NIfTI files of ``folder``, sorted. Anything else (hidden files, subfolders, the log, PNG montages and
+    ``timings.json`` that ``med_ddpm.sample`` writes beside its volumes) cannot be a volume and is passed over,
+    with a log line that counts it."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{key}={folder}: not a folder; pass a folder of .nii/.nii.gz volumes")
-    files = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
-    for path in files:
-        if not path.is_file() or not path.name.endswith(NIFTI_SUFFIXES):
-            raise DataError(f"{path}: not a NIfTI file (.nii/.nii.gz); remove it from {key}={folder}")
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    files = [p for p in entries if p.is_file() and p.name.endswith(NIFTI_SUFFIXES)]
     if not files:
         raise DataError(f"{key}={folder}: folder has no .nii/.nii.gz volumes; point {key}= at a folder of NIfTI volumes")
+    others = [p.name for p in entries if p not in files]
+    if others:
+        log.info("%s=%s: %d NIfTI volume(s); passed over %d other entries (%s)", key, folder, len(files), len(others),
+                 ", ".join(others[:4]) + (", ..." if len(others) > 4 else ""))
     return files
 
 
@@ -274,6 +280,7 @@ def evaluate(cfg: Mapping[str, Any]) -> dict[str, Any]:
 @cli.entry
 def main(cfg: DictConfig) -> None:
     out = cli.output_dir(cfg)
+    cli.refuse_earlier_results(out, "metrics.json", "an evaluation")
     check_options(cfg)
     metrics = evaluate(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     print(summary_markdown(metrics), end="")

@@ -276,6 +276,7 @@ def usage_hint(cfg: DictConfig, written: Sequence[Path]) -> str:
 @cli.entry
 def main(cfg: DictConfig) -> None:
     out_dir = cli.output_dir(cfg)
+    cli.refuse_earlier_results(out_dir, "step_search.json", "a step search")
     steps = check_options(cfg)
     result = run(cfg, steps)
     written = write_results(cfg, result, out_dir)

@@ -97,7 +97,6 @@ def _bad(tmp_path, folders, name, data=None, raw=None):
 
 @pytest.mark.parametrize("case, pattern", [
     ("corrupt", r"zz\.nii\.gz: unreadable NIfTI"),
-    ("not_nifti", r"notes\.txt: not a NIfTI file"),
     ("shape", r"zz\.nii\.gz: shape \(16, 16, 16\) differs"),
     ("nan", r"zz\.nii\.gz: generated image contains 1 NaN"),
 ])
@@ -106,8 +105,6 @@ def test_bad_input_is_one_line_naming_the_file(folders, tmp_path, case, pattern)
     if case == "corrupt":
         gz = (folders / "close" / "sample_0.nii.gz").read_bytes()
         bad = _bad(tmp_path, folders, "zz.nii.gz", raw=gz[: len(gz) // 2])
-    elif case == "not_nifti":
-        bad = _bad(tmp_path, folders, "notes.txt", raw=b"hello")
     elif case == "shape":
         bad = _bad(tmp_path, folders, "zz.nii.gz", np.zeros((16, 16, 16), np.float32))
     else:
@@ -116,6 +113,35 @@ def test_bad_input_is_one_line_naming_the_file(folders, tmp_path, case, pattern)
     with pytest.raises(DataError, match=pattern) as err:
         evaluate(_cfg(tmp_path, f"real={folders / 'real'}", f"generated={bad}"))
     assert "\n" not in str(err.value)
+
+
+def test_a_sample_output_folder_is_read_for_its_volumes(folders, tmp_path, caplog):
+    """What med_ddpm.sample writes beside its volumes (log, PNGs, timings.json, .hydra/) is passed over, with a
+    log line, so train -> sample -> evaluate chains as the user guide shows."""
+    out = _bad(tmp_path, folders, "sample.log", raw=b"a log")
+    for name in ("sample_0.png", "timings.json"):
+        (out / name).write_bytes(b"{}")
+    (out / ".hydra").mkdir()
+    (out / "sub").mkdir()
+    with caplog.at_level("INFO", logger="med_ddpm.evaluate"):
+        m = evaluate(_cfg(tmp_path, f"real={folders / 'real'}", f"generated={out}"))
+    assert m["n_generated"] == len(list((folders / "close").iterdir()))
+    assert "passed over 4 other entries (sample.log, sample_0.png, sub, timings.json)" in caplog.text
+
+
+def test_an_output_dir_holding_an_evaluation_is_refused(folders, tmp_path, capsys):
+    from med_ddpm.evaluate import main
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.json").write_text("{}")
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("evaluate", overrides=[f"output_dir={tmp_path / 'out'}", f"real={folders / 'real'}",
+                                             f"generated={folders / 'close'}"])
+    with pytest.raises(SystemExit) as exit_:
+        main(cfg)
+    assert exit_.value.code == 2 and (tmp_path / "out" / "metrics.json").read_text() == "{}"
+    assert capsys.readouterr().err.startswith(f"error: output_dir={tmp_path / 'out'}: already holds an evaluation "
+                                              "(metrics.json); choose another output_dir=")
 
 
 def test_empty_or_missing_folder(folders, tmp_path):

@@ -204,6 +204,14 @@ def test_misuse_is_one_line(checkpoint, tmp_path, capsys, overrides, pattern):
     assert not (tmp_path / "sampler").exists()
 
 
+def test_an_output_dir_holding_a_search_is_refused(checkpoint, tmp_path, capsys):
+    (tmp_path / "step_search.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        step_search.main(compose_search([f"checkpoint={checkpoint}", f"output_dir={tmp_path}"]))
+    assert capsys.readouterr().err.startswith(f"error: output_dir={tmp_path}: already holds a step search")
+    assert (tmp_path / "step_search.json").read_text() == "{}"
+
+
 def test_checkpoint_is_required(tmp_path, capsys):
     with pytest.raises(SystemExit):
         step_search.main(compose_search([f"output_dir={tmp_path}"]))
