@@ -211,8 +211,9 @@ def data_batches(cfg: DictConfig, size: Sequence[int], stack: RecipeStack, devic
     """The first ``n`` volumes of the data, ``batch`` at a time, on the device in the recipes' layout."""
     dataset = build_dataset(cfg.data, size)
     if len(dataset) < cfg.n:
+        more = "data.num_volumes=N" if cfg.data.name == "synthetic" else "a data.root with more cases"
         raise DataError(f"n={cfg.n}: {describe_data(cfg.data)} hold {len(dataset)} volume(s); pass n={len(dataset)} "
-                        "or more data (data.num_volumes=N for phantoms)")
+                        f"or {more}")
     for start in range(0, cfg.n, cfg.batch):
         items = [dataset[i] for i in range(start, min(start + cfg.batch, cfg.n))]
         x0, cond = (torch.stack([item[key] for item in items]).to(device) for key in ("image", "cond"))

@@ -190,7 +190,7 @@ def test_command_runs_inside_a_recipe_stack(checkpoint, tmp_path):
     (["order=4"], r"^order=4: must be an integer in \[1, 3\]"),
     (["n=0"], r"^n=0: must be an integer >= 1"),
     (["name=a/b"], r"^name='a/b': must be a file stem"),
-    (["n=40"], r"^n=40: synthetic whole_head phantoms \(seed 10000\) hold 32 volume\(s\); pass n=32"),
+    (["n=40"], r"^n=40: synthetic whole_head phantoms \(seed 10000\) hold 32 volume\(s\); pass n=32 or data\.num_volumes=N$"),
     (["data.variant=brats"], r"^data: brats volumes, but .*last\.pt is a whole_head network; pass data\.variant="
                              r"whole_head$"),
     (["data=whole_head"], r"^data\.root: "),
