@@ -419,16 +419,9 @@ def e2e_args(cfg: DictConfig) -> dict[str, str]:
 
 
 def run_e2e(cfg: DictConfig) -> int:
-    import torch
-
     from bench.e2e import run as run_commands
 
-    args = e2e_args(cfg)
-    if not cfg.dry_run and not torch.cuda.is_available():
-        raise ConfigError("bench.ladder preset=e2e times the README's GPU commands (experiment=fast_sample, "
-                          "experiment=fast_train, BraTS under a 16 GiB cap): this machine shows no CUDA GPU; "
-                          "dry_run=true lists them")
-    return run_commands(ladder_jobs(cfg), args)
+    return run_commands(ladder_jobs(cfg), e2e_args(cfg))
 
 
 def run_quality_training(cfg: DictConfig) -> int:
@@ -447,23 +440,40 @@ def run_quality_training(cfg: DictConfig) -> int:
     return left
 
 
+# The presets a machine without a CUDA GPU runs; every other one times GPU workloads.
+CPU_PRESETS = ("smoke",)
 # Presets that run real commands in fresh processes rather than the step worker's jobs.
 COMMAND_PRESETS: dict[str, Callable[[DictConfig], int]] = {"e2e": run_e2e, "quality_training": run_quality_training}
 
 
 def ladder_jobs(cfg: DictConfig) -> list[Job]:
     """The jobs of ``cfg.preset``, only those ``cfg.only`` (a regex over a job's overrides) names if set."""
-    if cfg.preset not in PRESETS:
-        known = ", ".join({**PRESETS, **COMMAND_PRESETS})
-        raise ConfigError(f"bench.ladder: unknown preset={cfg.preset}; known: {known}")
+    check_preset(cfg.preset, PRESETS)
     jobs = list(PRESETS[cfg.preset](cfg))
     return [job for job in jobs if re.search(cfg.only, " ".join(job))] if cfg.only else jobs
+
+
+def check_preset(preset: str, presets: Mapping[str, Any]) -> None:
+    if preset not in presets:
+        raise ConfigError(f"bench.ladder: unknown preset={preset}; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
+
+
+def require_gpu(cfg: DictConfig) -> None:
+    """Refuse a GPU preset on a machine without CUDA: its 128³ jobs would run for hours on the CPU (or time out
+    one by one) and leave error rows; ``dry_run=true`` still lists them."""
+    import torch
+
+    if cfg.preset not in CPU_PRESETS and not cfg.dry_run and not torch.cuda.is_available():
+        raise ConfigError(f"preset={cfg.preset}: times GPU workloads and this machine shows no CUDA GPU; run it on "
+                          f"a GPU machine, pass preset={' or '.join(CPU_PRESETS)} here, or dry_run=true to list its jobs")
 
 
 def run(cfg: DictConfig) -> int:
     """Run the ladder ``cfg`` (configs/ladder.yaml) describes; return the jobs left.
 
     ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
+    check_preset(cfg.preset, {**PRESETS, **COMMAND_PRESETS})
+    require_gpu(cfg)
     if cfg.preset in COMMAND_PRESETS:
         return COMMAND_PRESETS[cfg.preset](cfg)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)

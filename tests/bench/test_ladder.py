@@ -125,11 +125,14 @@ def test_a_dry_run_of_the_e2e_preset_lists_its_commands_and_runs_none(tmp_path, 
     assert not (out / "results.jsonl").exists() and not (out / "jobs").exists()
 
 
-def test_the_e2e_preset_without_a_cuda_gpu_is_a_one_line_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("preset", ["targets", "gpu", "e2e", "quality_training"])
+def test_a_gpu_preset_without_a_cuda_gpu_is_a_one_line_error(preset, tmp_path, monkeypatch):
+    """Not hours of 128³ jobs on the CPU, each ending in a timeout row, and exit status 0."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"^bench.ladder preset=e2e times the README's GPU commands .* no CUDA GPU"):
-        run(ladder_cfg(tmp_path, "preset=e2e", f"e2e.data_root={tmp_path}"))
-    assert not (tmp_path / "jobs").exists()
+    with pytest.raises(ConfigError, match=rf"^preset={preset}: times GPU workloads and this machine shows no CUDA GPU; "
+                                          r"run it on a GPU machine, pass preset=smoke here, or dry_run=true"):
+        run(ladder_cfg(tmp_path, f"preset={preset}", f"e2e.data_root={tmp_path}"))
+    assert not (tmp_path / "jobs").exists() and not (tmp_path / "results.jsonl").exists()
 
 
 def test_a_dry_run_of_quality_training_lists_the_runs_then_the_gates_and_trains_none(tmp_path, capsys, monkeypatch):
