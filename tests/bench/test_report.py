@@ -2,6 +2,7 @@
 runs mixed in one file, rows of unknown provenance; bench.records' run id and provenance stamp."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -167,6 +168,16 @@ def test_write_stamp_records_head(tmp_path):
     stamp = records.write_stamp(tmp_path / "stamp.json")
     assert stamp["git_sha"] == records.git_provenance()["git_sha"] and "bench/records.py" in stamp["files"]
     assert json.loads((tmp_path / "stamp.json").read_text())["digest"] == records.tree_digest(stamp["files"])
+
+
+def test_hydras_run_records_are_not_code():
+    """The docs' commands write output_dir=samples, eval, ... at the checkout's root, each with a .hydra/ of YAML:
+    a run record, ignored by git, so it neither makes the next row dirty nor enters the stamp."""
+    if not (records.ROOT / ".git").exists():
+        pytest.skip("a copy of the tree without .git")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "samples/.hydra/2026-12-05_00-00-00/config.yaml"],
+                             cwd=records.ROOT)
+    assert ignored.returncode == 0
 
 
 def test_an_unchanged_stamp_outranks_a_stale_git_head(tmp_path, monkeypatch):
