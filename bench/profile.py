@@ -11,7 +11,8 @@ Runs the real step (:func:`bench.scenarios.prepared_step`) for ``profile.warmup`
 ``profile.steps`` profiled calls under ``torch.profiler`` and attributes the time to kernel
 categories (:mod:`bench.kernels`): on CUDA the GPU time of every kernel and memcpy/memset, on
 CPU each operator's self time. Writes into ``profile.out`` (default: the Hydra output dir, or
-the sweep dir in multirun): ``<label>.json`` per stack, then ``profile.md`` and
+the sweep dir in multirun): ``<label>.json`` per stack (with the network's config, the batch and the
+network calls per step, which ``bench.floor`` counts), then ``profile.md`` and
 ``profile_breakdown.png`` rebuilt from every JSON there, so a multirun gets one table and one
 stacked bar per stack. Profiling runs in this process (multirun jobs share it; the stacks'
 sessions restore their flags and compile caches): use ``bench.sweep`` for timings of record.
@@ -42,7 +43,7 @@ from omegaconf import DictConfig
 
 from bench import kernels, ncu
 from bench.records import recipe_label
-from bench.scenarios import batch_size, prepared_step
+from bench.scenarios import batch_size, model_calls, prepared_step
 from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from med_ddpm import cli
@@ -107,17 +108,20 @@ def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[
     return events, _launchers(prof), kernels.timeline(spans, int(p["steps"]))
 
 
-def summarise(events: list[tuple[str, float]], label: str, cfg: dict[str, Any], device: torch.device,
+def summarise(events: list[tuple[str, float]], job: dict[str, Any], device: torch.device,
               launchers: dict[str, str] | None = None, timeline: dict[str, float] | None = None) -> dict:
-    """The JSON record of one profiled stack: per-category ms/step, top kernels (with their
-    launching operator where known), Tensor-Core share, and the GPU timeline where there is one."""
+    """The JSON record of one profiled stack: what ran (the network's config, the batch and the network
+    calls per step), per-category ms/step, top kernels (with their launching operator where known),
+    Tensor-Core share, and the GPU timeline where there is one."""
+    cfg = job["config"]
     steps = int(cfg["profile"]["steps"])
     times, counts = kernels.aggregate(events)
     top = kernels.top_kernels(times, counts, int(cfg["profile"]["top"]))
     for k in top:
         k["launched_by"] = (launchers or {}).get(k["name"], "")
     return {
-        "label": label, "scenario": cfg["bench"]["scenario"], "batch_size": batch_size(cfg),
+        "label": profile_label(job), "scenario": cfg["bench"]["scenario"], "batch_size": batch_size(cfg),
+        "model": cfg["model"], "model_calls": model_calls(cfg),
         "activity": "GPU kernels" if device.type == "cuda" else "CPU operator self time",
         "steps": steps,
         "categories_ms": {k: v / 1e3 / steps for k, v in kernels.breakdown(times).items()},
@@ -245,9 +249,8 @@ def main(cfg: DictConfig) -> None:
         print(write_comparison(out, load_named(config["profile"]["compare"])))
         return
     device = resolve_device(config["device"])
-    label = profile_label(job)
     events, launchers, timeline = profile_step(config, device)
-    record = summarise(events, label, config, device, launchers, timeline)
+    record = summarise(events, job, device, launchers, timeline)
     if config["profile"]["ncu"]:
         try:
             record["ncu"] = run_ncu(config, record, out)
