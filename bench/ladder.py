@@ -421,7 +421,10 @@ def e2e_args(cfg: DictConfig) -> dict[str, str]:
 def run_e2e(cfg: DictConfig) -> int:
     from bench.e2e import run as run_commands
 
-    return run_commands(ladder_jobs(cfg), e2e_args(cfg))
+    args, jobs = e2e_args(cfg), ladder_jobs(cfg)
+    if not cfg.dry_run:
+        require_gpu(cfg.preset)
+    return run_commands(jobs, args)
 
 
 def run_quality_training(cfg: DictConfig) -> int:
@@ -440,7 +443,8 @@ def run_quality_training(cfg: DictConfig) -> int:
     return left
 
 
-# The presets a machine without a CUDA GPU runs; every other one times GPU workloads.
+# The step presets a machine without a CUDA GPU runs; every other one, and e2e, times GPU workloads.
+# (quality_training trains what its overrides say: a tiny model trains on a CPU.)
 CPU_PRESETS = ("smoke",)
 # Presets that run real commands in fresh processes rather than the step worker's jobs.
 COMMAND_PRESETS: dict[str, Callable[[DictConfig], int]] = {"e2e": run_e2e, "quality_training": run_quality_training}
@@ -458,13 +462,14 @@ def check_preset(preset: str, presets: Mapping[str, Any]) -> None:
         raise ConfigError(f"bench.ladder: unknown preset={preset}; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
 
 
-def require_gpu(cfg: DictConfig) -> None:
-    """Refuse a GPU preset on a machine without CUDA: its 128³ jobs would run for hours on the CPU (or time out
-    one by one) and leave error rows; ``dry_run=true`` still lists them."""
+def require_gpu(preset: str) -> None:
+    """Refuse to run a GPU preset's jobs on a machine without CUDA: its 128³ jobs would run for hours on the CPU
+    (or time out one by one) and leave error rows. Called after the options are checked and not for a dry run,
+    which lists the jobs."""
     import torch
 
-    if cfg.preset not in CPU_PRESETS and not cfg.dry_run and not torch.cuda.is_available():
-        raise ConfigError(f"preset={cfg.preset}: times GPU workloads and this machine shows no CUDA GPU; run it on "
+    if preset not in CPU_PRESETS and not torch.cuda.is_available():
+        raise ConfigError(f"preset={preset}: times GPU workloads and this machine shows no CUDA GPU; run it on "
                           f"a GPU machine, pass preset={' or '.join(CPU_PRESETS)} here, or dry_run=true to list its jobs")
 
 
@@ -473,13 +478,14 @@ def run(cfg: DictConfig) -> int:
 
     ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
     check_preset(cfg.preset, {**PRESETS, **COMMAND_PRESETS})
-    require_gpu(cfg)
     if cfg.preset in COMMAND_PRESETS:
         return COMMAND_PRESETS[cfg.preset](cfg)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
+    jobs = ladder_jobs(cfg)
+    if not cfg.dry_run:
+        require_gpu(cfg.preset)  # after the options: a bad one is named on any machine
     # only= runs just the jobs it names: the missing baselines are not among them
-    return run_ladder(Path(cfg.out), ladder_jobs(cfg), budget_s, cfg.dry_run, cfg.refresh,
-                      complete_baselines=not cfg.only)
+    return run_ladder(Path(cfg.out), jobs, budget_s, cfg.dry_run, cfg.refresh, complete_baselines=not cfg.only)
 
 
 @hydra.main(config_path="../configs", config_name="ladder", version_base="1.3")

@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from bench.records import RESULTS_FILE, append_row, missing_baselines, new_run, read_rows, recipe_label
 from bench.worker import cut_by_budget, run_job
 from med_ddpm import cli
-from med_ddpm.errors import check_device, check_int, check_number, check_sampler, check_size
+from med_ddpm.errors import check_device, check_int, check_model_size, check_number, check_sampler
 
 log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -157,7 +157,7 @@ def check_options(cfg: DictConfig) -> None:
     check_number(cfg, "bench.timeout_s", 0.0, low_open=True)
     if cfg.bench.get("threads") is not None:
         check_int(cfg, "bench.threads", 1)
-    check_size(cfg, "model.image_size")
+    check_model_size(cfg)
     check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion)
 

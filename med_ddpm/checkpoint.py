@@ -32,6 +32,9 @@ FORMAT = "med-ddpm-bench"
 FORMAT_VERSION = 1
 PREFIX = "denoise_fn."
 MAX_LISTED = 8
+LOAD_FIX = "pass a checkpoint written by med_ddpm.train or the published Med-DDPM weights"
+ZIP_MAGIC, GZIP_MAGIC = b"PK\x03\x04", b"\x1f\x8b"  # torch.save writes a zip archive; a .nii.gz is gzip
+NIFTI_HEADER = 348  # bytes of a NIfTI-1 header, which ends in the magic b"n+1\0"
 
 
 @dataclass
@@ -50,18 +53,40 @@ def _listed(keys) -> str:
     return ", ".join(keys[:MAX_LISTED]) + more
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` with errors that name the file."""
+def read_checkpoint(path: str | os.PathLike, *, option: str = "checkpoint", fix: str = LOAD_FIX) -> dict[str, Any]:
+    """``torch.load(weights_only=True)``; a file it cannot read, or one that is no Med-DDPM checkpoint, is a
+    :class:`CheckpointError` naming ``option=path`` and giving ``fix``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated / foreign files
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{option}={path}: not a PyTorch checkpoint ({unreadable_reason(path, e)}); {fix}") from e
     if not isinstance(ckpt, dict) or not ({"model", "ema"} & ckpt.keys()):
-        raise CheckpointError(f"{path}: not a Med-DDPM checkpoint (expected a dict with 'model'/'ema' entries)")
+        raise CheckpointError(f"{option}={path}: not a Med-DDPM checkpoint (expected a dict with 'model'/'ema' "
+                              f"entries); {fix}")
     return ckpt
+
+
+def unreadable_reason(path: Path, err: Exception) -> str:
+    """Why ``torch.load`` could not read ``path``, in a few words: what the file holds when its first bytes tell,
+    else the first sentence of torch's reason (without its advice to load with ``weights_only=False``, which
+    runs any code a file of unknown origin holds)."""
+    with path.open("rb") as f:
+        head = f.read(NIFTI_HEADER)
+    refused = str(err).partition("WeightsUnpickler error:")[2]  # a whole file, holding more than tensors
+    if not head:
+        return "the file is empty"
+    if head.startswith(GZIP_MAGIC):
+        return "gzip data, such as a .nii.gz volume"
+    if head[NIFTI_HEADER - 4:NIFTI_HEADER - 1] == b"n+1":
+        return "a NIfTI volume"
+    if head.startswith(ZIP_MAGIC) and not refused:  # torch's own format, cut short or damaged
+        return "a truncated or damaged zip archive"
+    first = next((part for part in (refused or str(err)).split("\n\n") if part.strip()), "")
+    sentence = " ".join(first.split()).split(". ")[0].rstrip(".")
+    return f"{type(err).__name__}: {sentence}" if sentence else type(err).__name__
 
 
 def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:

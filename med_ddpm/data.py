@@ -37,7 +37,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from med_ddpm.discovery import Case, Pairing, list_brats_cases, list_pairs, nifti_stem
+from med_ddpm.discovery import (
+    BRATS_FIX,
+    WHOLE_HEAD_FIX,
+    Case,
+    Pairing,
+    list_brats_cases,
+    list_pairs,
+    nifti_stem,
+)
 from med_ddpm.errors import ConfigError, DataError, check_one_of
 
 if TYPE_CHECKING:
@@ -204,9 +212,11 @@ def resolve_seg_labels(seg_labels: str, labels: np.ndarray, seg: np.ndarray, t1:
             seg_labels = "raw" if np.any((seg == 0) & (t1 > t1.min())) else "medddpm"
         elif 4 in present and (seg == 4).sum() > np.isin(seg, (1, 2)).sum():
             seg_labels = "medddpm"
-        else:
-            raise DataError(f"{path}: cannot tell raw BraTS labels from Med-DDPM labels without the t1 volume; "
-                            "pass t1_path or set data.seg_labels=raw|medddpm")
+        else:  # only a mask to sample for has no t1 (load_condition); a training case always has one
+            raise DataError(f"{path}: labels {sorted(present)} may be raw BraTS labels (0, 1, 2, 4) or Med-DDPM's "
+                            "(0..4, 4 healthy brain), which only the case's t1 volume tells apart; if they are "
+                            "Med-DDPM's, pass data=brats data.seg_labels=medddpm (sampling takes no raw BraTS labels; "
+                            "a whole-head mask needs a whole-head checkpoint)")
     if seg_labels == "raw" and 3 in present:
         raise DataError(f"{path}: unexpected mask labels [3] for a raw BraTS seg (raw labels are 0, 1, 2, 4); "
                         "pass data.seg_labels=medddpm for Med-DDPM's relabelled segs")
@@ -319,6 +329,8 @@ class NiftiPairDataset(Dataset):
             DataLoader's collation copies it; copy it before editing it in place.
     """
 
+    ROOT_FIX = "pass data.root=<a folder of NIfTI images and masks>"  # each layout's class says which folders
+
     def __init__(self, pairing: Pairing, variant: Variant, image_size: Sequence[int], *,
                  intensity: str = "volume_minmax", resize_mode: str = "crop_or_pad", seg_labels: str = "auto",
                  on_bad_file: str = "error", cache: str = "auto", cache_dir: str | Path | None = None,
@@ -337,7 +349,8 @@ class NiftiPairDataset(Dataset):
                 problems.append((case.name, str(err)))
         self.skipped = self._handle_problems(problems, on_bad_file, root)
         if not self.records:
-            raise DataError(f"{root}: no usable image/mask pairs (skipped {len(self.skipped)})")
+            fix = "fix the files the warning lists, or pass another data.root=" if self.skipped else self.ROOT_FIX
+            raise DataError(f"{root}: no usable image/mask pairs (skipped {len(self.skipped)}); {fix}")
         signature = f"{variant.name}|{intensity}|{resize_mode}|{tuple(image_size)}"  # keys the disk cache
         for record in self.records:
             record["prep"] = signature + "|" + "|".join(_file_stamp(p) for p in [*record["image"], record["mask"]])
@@ -429,12 +442,16 @@ def cached_dataset(records: Sequence, transform: Callable, cache: str, cache_dir
 class WholeHeadDataset(NiftiPairDataset):
     """Med-DDPM whole-head data: ``<root>/image`` + ``<root>/mask`` paired by file name."""
 
+    ROOT_FIX = WHOLE_HEAD_FIX
+
     def __init__(self, root: str | Path, image_size: Sequence[int] = (128, 128, 128), **kwargs: Any) -> None:
         super().__init__(list_pairs(root), VARIANTS["whole_head"], image_size, root=root, **kwargs)
 
 
 class BratsDataset(NiftiPairDataset):
     """BraTS data in the per-case or per-modality layout, paired by case ID."""
+
+    ROOT_FIX = BRATS_FIX
 
     def __init__(self, root: str | Path, image_size: Sequence[int] = (144, 192, 192), *, layout: str = "auto",
                  **kwargs: Any) -> None:
@@ -481,7 +498,8 @@ def load_condition(mask_path: str | Path, variant: str, image_size: Sequence[int
         record["seg_labels"] = resolve_seg_labels(seg_labels, labels, mask, t1, mask_path)
         if record["seg_labels"] == "raw":
             if t1 is None:
-                raise DataError(f"{mask_path}: a raw BraTS seg needs t1_path to derive the healthy-brain label 4")
+                raise DataError(f"{mask_path}: a raw BraTS seg needs its case's t1 volume to derive the healthy-brain "
+                                "label 4; pass t1_path=<the t1 file>, or seg_labels='medddpm' for Med-DDPM's labels 0..4")
             record["image"], keys = [str(t1_path)], ["image", "mask"]
     transform = build_transforms(spec, image_size, resize_mode=resize_mode, keys=keys)
     return transform(record)["cond"], nifti

@@ -66,15 +66,21 @@ def _nifti_index(folder: Path) -> dict[str, Path]:
     return index
 
 
-def _require_dir(path: Path, layout_hint: str) -> None:
+# What to pass where a folder does not hold its layout: the refusals of this module and of med_ddpm.data end in it.
+WHOLE_HEAD_FIX = "pass data.root=<a folder with image/*.nii.gz and mask/*.nii.gz>, the whole-head layout"
+BRATS_FIX = ("pass data.root=<a folder of BraTS cases>, per_case <case>/<case>_{t1,t1ce,t2,flair,seg}.nii.gz or "
+             "per_modality {t1,t1ce,t2,flair,seg}/<case>_<modality>.nii.gz (data=whole_head for image/ and mask/)")
+
+
+def _require_dir(path: Path, fix: str) -> None:
     if not path.is_dir():
-        raise DataError(f"{path}: no such folder ({layout_hint})")
+        raise DataError(f"{path}: no such folder; {fix}")
 
 
 def list_pairs(root: str | Path) -> Pairing:
     """Pair ``<root>/image/*.nii.gz`` with ``<root>/mask/*.nii.gz`` by file name, never by sort order."""
     root = Path(root)
-    _require_dir(root / "image", "whole-head layout: <root>/image/*.nii.gz and <root>/mask/*.nii.gz")
+    _require_dir(root / "image", WHOLE_HEAD_FIX)
     images, masks = _nifti_index(root / "image"), _nifti_index(root / "mask")
     pairing = Pairing(orphan_masks=[masks[n] for n in sorted(masks) if n not in images])
     for name, image in images.items():
@@ -99,7 +105,7 @@ def _brats_layout(root: Path, layout: str) -> str:
 def list_brats_cases(root: str | Path, layout: str = "auto") -> Pairing:
     """Group BraTS files by case ID (``<case>_<modality>.nii.gz``) in either layout."""
     root = Path(root)
-    _require_dir(root, "BraTS root: one folder per case, or t1/ t1ce/ t2/ flair/ seg/ folders")
+    _require_dir(root, BRATS_FIX)
     files: dict[str, dict[str, Path]] = {}
     ignored: list[Path] = []
     if _brats_layout(root, layout) == "per_modality":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,26 +44,45 @@ class OutputError(UserError):
     """The output directory already holds results that a run would overwrite or mix with its own."""
 
 
-def _value(cfg: DictConfig, key: str) -> Any:
-    return OmegaConf.select(cfg, key, throw_on_missing=False)
+_COPY = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # an option that only copies another: ${data.num_workers}
+
+
+def option_key(cfg: DictConfig, key: str) -> str:
+    """The option a user sets for ``key``: ``key`` itself, or the option it only copies (``train.num_workers:
+    ${data.num_workers}``), so that a refusal names what was typed."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not (isinstance(node, DictConfig) and leaf in node and OmegaConf.is_interpolation(node, leaf)):
+        return key
+    source = _COPY.fullmatch(OmegaConf.to_container(node)[leaf])
+    return option_key(cfg, source[1]) if source else key
+
+
+def _option(cfg: DictConfig, key: str) -> tuple[str, Any]:
+    """(the option a user sets for ``key``, the value of ``cfg.<key>``)."""
+    return option_key(cfg, key), OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_int(cfg: DictConfig, key: str, low: int, high: int | None = None, meaning: str = "") -> int:
     """``cfg.<key>`` must be an integer in [low, high]; ``meaning`` says what a special value does."""
-    return check_int_value(key, _value(cfg, key), low, high, meaning)
+    return check_int_value(*_option(cfg, key), low, high, meaning)
 
 
 def check_int_value(key: str, value: Any, low: int, high: int | None = None, meaning: str = "") -> int:
     """``value`` (option ``key``) must be an integer in [low, high]; ``meaning`` says what a special value does."""
     span = f">= {low}" if high is None else f"in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+    if not _is_int(value) or value < low or (high is not None and value > high):
         raise ConfigError(f"{key}={value!r}: must be an integer {span}{meaning}; pass {key}=N with N {span}")
     return value
 
 
 def check_number(cfg: DictConfig, key: str, low: float, high: float = math.inf, low_open: bool = False) -> float:
     """``cfg.<key>`` must be a finite number in [low, high] (``(low, high]`` when ``low_open``)."""
-    return check_number_value(key, _value(cfg, key), low, high, low_open)
+    return check_number_value(*_option(cfg, key), low, high, low_open)
 
 
 def check_number_value(key: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> float:
@@ -75,7 +95,7 @@ def check_number_value(key: str, value: Any, low: float, high: float = math.inf,
 
 
 def check_choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> str:
-    return check_one_of(key, _value(cfg, key), choices)
+    return check_one_of(*_option(cfg, key), choices)
 
 
 def check_one_of(key: str, value: Any, choices: Sequence[str]) -> Any:
@@ -87,7 +107,7 @@ def check_one_of(key: str, value: Any, choices: Sequence[str]) -> Any:
 
 def check_bool(cfg: DictConfig, key: str) -> bool:
     """``cfg.<key>`` must be true or false."""
-    value = _value(cfg, key)
+    key, value = _option(cfg, key)
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: must be true or false; pass {key}=true or {key}=false")
     return value
@@ -105,11 +125,11 @@ def read_json_option(key: str, path: Any, fix: str) -> Any:
 
 def check_size(cfg: DictConfig, key: str, optional: bool = False) -> list[int] | None:
     """``cfg.<key>`` must be three positive integers (D, H, W), or null when ``optional``."""
-    value = _value(cfg, key)
+    key, value = _option(cfg, key)
     if value is None and optional:
         return None
     items = list(value) if OmegaConf.is_list(value) or isinstance(value, list | tuple) else None
-    if items is None or len(items) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in items):
+    if items is None or len(items) != 3 or any(not _is_int(s) or s < 1 for s in items):
         raise ConfigError(f"{key}={value!r}: must be three positive integers (D, H, W); pass {key}=[D,H,W]"
                           + (f" or {key}=null" if optional else ""))
     return items
@@ -119,7 +139,7 @@ def check_device(cfg: DictConfig) -> None:
     """``device`` must name a device this machine has (``auto`` picks CUDA when there is one)."""
     import torch
 
-    value = str(_value(cfg, "device"))
+    value = str(OmegaConf.select(cfg, "device", throw_on_missing=False))
     try:
         kind = "auto" if value == "auto" else torch.device(value).type
     except RuntimeError:
@@ -150,12 +170,42 @@ def as_config_error(key: str, fix: str, errors: tuple[type[Exception], ...] | No
         raise ConfigError(f"{key}: {err}; {fix}") from err
 
 
-def check_sampler(sampler: DictConfig, diffusion: DictConfig) -> None:
+def check_sampler(sampler: DictConfig, diffusion: DictConfig, *, steps: bool = True) -> None:
     """Build the ``sampler`` node against the ``diffusion`` schedule: its steps and options are checked
-    by the samplers' own constructors, and a refusal names the node and its config file."""
+    by the samplers' own constructors, and a refusal names the node and its config file.
+
+    ``steps=False`` (med_ddpm.sample) checks only that ``sampler.steps`` is an integer: its range is that of the
+    checkpoint's own schedule, checked when the checkpoint is loaded."""
     from med_ddpm.diffusion import NoiseSchedule  # the samplers import this module
     from med_ddpm.samplers import sampler_from_config
 
+    count = sampler.get("steps")
+    if count is not None and not _is_int(count):
+        raise ConfigError(f"sampler.steps={count!r}: must be an integer (the number of sampling steps); "
+                          "pass sampler.steps=N, e.g. sampler.steps=50")
     with as_config_error("sampler", f"see configs/sampler/{sampler.get('name')}.yaml for its options",
                          errors=(ValueError, TypeError)):
-        sampler_from_config(sampler, NoiseSchedule.from_config(diffusion))
+        sampler_from_config(sampler if steps else OmegaConf.merge(sampler, {"steps": None}),
+                            NoiseSchedule.from_config(diffusion))
+
+
+def check_divisible(thing: str, size: Sequence[int], channel_mult: Sequence[int], key: str,
+                    error: type[UserError] = ConfigError) -> list[int]:
+    """Each side of ``size`` (D, H, W) must halve once per U-Net level below the top (a multiple of
+    2^(levels - 1)) for the skips to line up; returns ``size``. ``thing`` names the option or file at fault and
+    its size, ``key`` the option that fixes it."""
+    levels = len(channel_mult)
+    step = 2 ** (levels - 1)
+    if any(s % step for s in size):
+        fit = ",".join(str(max(step, round(s / step) * step)) for s in size)
+        raise error(f"{thing}: not divisible by {step} on every side, as channel_mult {list(channel_mult)} has "
+                    f"{levels} levels (2^(levels-1)); pass e.g. {key}=[{fit}]")
+    return list(size)
+
+
+def check_model_size(cfg: DictConfig) -> list[int]:
+    """``model.image_size``: three positive integers that the U-Net of ``model.channel_mult`` halves at every level."""
+    size = check_size(cfg, "model.image_size")
+    if OmegaConf.is_list(cfg.model.channel_mult):  # anything else: the U-Net's constructor refuses it
+        check_divisible(f"model.image_size={size}", size, cfg.model.channel_mult, "model.image_size")
+    return size

@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import hydra
-import nibabel as nib
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
-from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition
+from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition, read_volume
 from med_ddpm.errors import (
     CheckpointError,
     ConfigError,
@@ -43,7 +42,9 @@ from med_ddpm.errors import (
     OutputError,
     check_choice,
     check_device,
+    check_divisible,
     check_int,
+    check_one_of,
     check_sampler,
     check_size,
 )
@@ -73,51 +74,50 @@ def list_masks(masks: str | None) -> list[Path]:
 
 
 def sampling_geometry(loaded: Loaded, cfg: DictConfig) -> tuple[str, list[int] | None, str]:
-    """(data variant, model image size, resize mode).
-
-    The size is ``image_size`` when given; else the size this project's checkpoint was trained at;
-    else (an original Med-DDPM checkpoint, which records none) None: each mask's own size, as the
-    original sampling script does.
-    """
+    """(data variant, model image size (:func:`sampling_size`), resize mode)."""
     saved = loaded.config
     variant = VARIANT_BY_IMAGE_CHANNELS.get(loaded.model.out_channels)
     if variant is None:
         raise CheckpointError(f"{cfg.checkpoint}: {loaded.model.out_channels} output channels match no known data "
                               f"variant {sorted(VARIANT_BY_IMAGE_CHANNELS)}; pass a whole-head or BraTS checkpoint")
     resize_mode = saved.get("data", {}).get("resize_mode") or cfg.data.get("resize_mode", "crop_or_pad")
+    return variant, sampling_size(loaded, cfg), resize_mode
+
+
+def sampling_size(loaded: Loaded, cfg: DictConfig) -> list[int] | None:
+    """``image_size`` when given; else the size this project's checkpoint was trained at; else (an original
+    Med-DDPM checkpoint, which records none) None: each mask's own size, as the original sampling script does.
+    A size the checkpoint's U-Net cannot take is refused."""
     if cfg.get("image_size") is not None:
-        return variant, list(cfg.image_size), resize_mode
-    if "data" in saved:  # this project's checkpoint: sample at the size it was trained at
-        return variant, list(saved["model"]["image_size"]), resize_mode
-    return variant, None, resize_mode
+        size, origin = list(cfg.image_size), ""
+    elif "data" in loaded.config:
+        size, origin = list(loaded.config["model"]["image_size"]), f" (the training size of checkpoint={cfg.checkpoint})"
+    else:
+        return None
+    return check_divisible(f"image_size={size}{origin}", size, loaded.model.config["channel_mult"], "image_size")
 
 
-def native_size(mask_path: Path) -> list[int]:
-    """A mask's (D, H, W) in model axis order: NIfTI (i, j, k) reversed."""
-    return list(reversed(nib.load(mask_path).shape[:3]))
+def native_size(mask_path: Path, channel_mult: list[int]) -> list[int]:
+    """A mask's (D, H, W) in model axis order (NIfTI (i, j, k) reversed), to sample it at its own size."""
+    size = list(reversed(read_volume(mask_path, "mask")[0].shape))  # a broken file: one line naming it
+    return check_divisible(f"{mask_path} (sampled at its own size {size}, D, H, W)", size, channel_mult,
+                           "image_size", DataError)
 
 
-def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str, levels: int):
+def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str, channel_mult: list[int]):
     """Yield (mask index, name, cond (C,D,H,W), reference NIfTI or None) for this rank's masks."""
     if cfg.masks is None:
-        size = size or list(cfg.model.image_size)
+        if size is None:  # an original checkpoint: phantoms of model.image_size
+            size = check_divisible(f"model.image_size={list(cfg.model.image_size)} (the phantoms' size)",
+                                   cfg.model.image_size, channel_mult, "image_size")
         phantoms = SyntheticPhantoms(num_volumes=2, image_size=size, variant=variant, seed=cfg.seed)
         for i in distributed.shard(range(len(phantoms))):
             yield i, f"phantom_{i}", phantoms[i]["cond"], None
         return
     for i, path in distributed.shard(list(enumerate(list_masks(cfg.masks)))):
-        cond, nifti = load_condition(path, variant, size or native_size(path), resize_mode=resize_mode,
+        cond, nifti = load_condition(path, variant, size or native_size(path, channel_mult), resize_mode=resize_mode,
                                      seg_labels=cfg.data.get("seg_labels", "auto"))
-        check_divisible(cond.shape[1:], levels, path)
         yield i, path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
-
-
-def check_divisible(size, levels: int, path: Path) -> None:
-    """Each axis must halve ``levels - 1`` times for the U-Net's skips to line up."""
-    step = 2 ** (levels - 1)
-    if any(s % step for s in size):
-        raise DataError(f"{path}: model size {list(size)} (D, H, W) is not divisible by {step} for a "
-                        f"{levels}-level U-Net; pass image_size=[D,H,W] (e.g. [144,192,192] for BraTS)")
 
 
 def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_dir: Path, resize_mode: str) -> Path:
@@ -220,7 +220,7 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     loaded.model.to(device)
     geometry = sampling_geometry(loaded, cfg)
-    masks = prefetched(conditions(cfg, *geometry, levels=len(loaded.model.config["channel_mult"])))
+    masks = prefetched(conditions(cfg, *geometry, channel_mult=loaded.model.config["channel_mult"]))
     clock.mark("checkpoint_ready")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
@@ -295,8 +295,13 @@ def check_options(cfg: DictConfig) -> None:
     check_choice(cfg, "weights", ("ema", "model"))
     check_size(cfg, "image_size", optional=True)
     check_device(cfg)
-    # the options only: the steps are checked against the checkpoint's own schedule when it is loaded
-    check_sampler(OmegaConf.merge(cfg.sampler, {"steps": None}), cfg.diffusion)
+    check_sampler(cfg.sampler, cfg.diffusion, steps=False)  # the steps' range: the checkpoint's schedule's
+    seg_labels = cfg.data.get("seg_labels", "auto")
+    if seg_labels == "raw":
+        raise ConfigError("data.seg_labels=raw: sampling takes no raw BraTS labels (0, 1, 2, 4): their healthy-brain "
+                          "label 4 comes from each case's t1 volume; pass masks with Med-DDPM's labels 0..4 "
+                          "(docs/troubleshooting.md) and data.seg_labels=medddpm or auto")
+    check_one_of("data.seg_labels", seg_labels, ("auto", "medddpm"))
 
 
 def check_output_dir(out_dir: Path) -> None:

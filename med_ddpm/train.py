@@ -48,9 +48,9 @@ from med_ddpm.errors import (
     as_config_error,
     check_device,
     check_int,
+    check_model_size,
     check_number,
     check_sampler,
-    check_size,
 )
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.samplers import sample, sampler_from_config
@@ -237,7 +237,7 @@ RESUME_KEYS = ("model", "ema", "optimizer", "scaler", "ema_n_averaged", "rng", "
 
 def restore(job: Job, path: Path) -> None:
     """Load weights, EMA, optimizer, scaler, step and RNG states for an exact continuation."""
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, option="resume", fix="pass resume=auto, or a checkpoint written by med_ddpm.train")
     missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
     if missing or "model" not in (ckpt.get("config") or {}):
         raise CheckpointError(f"{path}: not a training checkpoint of this project (missing {missing or ['config.model']}); "
@@ -500,7 +500,7 @@ def check_options(cfg: DictConfig) -> None:
     check_number(cfg, "train.ema_decay", 0.0, 1.0)
     if "log_every" in cfg.logger:
         check_int(cfg, "logger.log_every", 1)
-    check_size(cfg, "model.image_size")
+    check_model_size(cfg)
     check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion)
 

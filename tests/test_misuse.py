@@ -129,6 +129,16 @@ def test_train_refuses_an_output_dir_holding_a_run(tmp_path, capsys):
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == b"a run"
 
 
+def test_brats_data_in_another_layout(tmp_path, capsys):
+    """data=brats on a whole-head folder: no case is found, and the line says which layouts data=brats reads."""
+    write_phantom_niftis(tmp_path / "data", 1, (8, 8, 8))
+    cfg = compose_cfg("train", ["data=brats", f"data.root={tmp_path / 'data'}"], tmp_path / "out")
+    with pytest.warns(UserWarning, match="unexpected names"):
+        line = refusal(capsys, train.main, cfg)
+    assert re.search(r"/data: no usable image/mask pairs \(skipped 0\); pass data\.root=<a folder of BraTS cases>, "
+                     r"per_case .* or per_modality .* \(data=whole_head for image/ and mask/\)$", line), line
+
+
 def test_save_every_zero_means_only_last_pt(tmp_path):
     """train.save_every=0 (a ZeroDivisionError before) is off, like sample_every=0: last.pt only, at the end."""
     loss = train.main(compose_cfg("train", ["train.max_steps=2", "train.save_every=0"], tmp_path))
@@ -181,11 +191,23 @@ def test_sample_checkpoint_not_found(tmp_path, capsys):
     assert line == "checkpoint not found: /nonexistent/model_128.pt; check the path"
 
 
-def test_sample_unreadable_mask(checkpoint, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def original_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The same net in the original Med-DDPM format, which records no training size: masks are sampled at theirs."""
+    from med_ddpm.checkpoint import load_checkpoint, save_medddpm_checkpoint
+
+    loaded = load_checkpoint(checkpoint)
+    state = loaded.model.state_dict()
+    return Path(save_medddpm_checkpoint(tmp_path_factory.mktemp("orig") / "model.pt", state, state, loaded.schedule, 1))
+
+
+@pytest.mark.parametrize("fmt", ["checkpoint", "original_checkpoint"])
+def test_sample_unreadable_mask(fmt, tmp_path, capsys, request):
+    """Also where the mask's own size is read first (an original checkpoint)."""
     masks = tmp_path / "masks"
     masks.mkdir()
     (masks / "broken.nii.gz").write_bytes(b"not a nifti")
-    line = refusal(capsys, sample.main, sample_cfg(checkpoint, tmp_path / "out", f"masks={masks}"))
+    line = refusal(capsys, sample.main, sample_cfg(request.getfixturevalue(fmt), tmp_path / "out", f"masks={masks}"))
     assert re.search(r"broken\.nii\.gz: unreadable NIfTI mask", line)
 
 
@@ -208,6 +230,50 @@ def test_brats_masks_for_a_whole_head_checkpoint(checkpoint, tmp_path, capsys):
     seg = next((tmp_path / "brats").rglob("*seg*.nii.gz"))
     line = refusal(capsys, sample.main, sample_cfg(checkpoint, tmp_path / "out", f"masks={seg}"))
     assert re.search(rf"{seg.name}: unexpected mask labels \[4\] \(expected a subset of \[0, 1, 2\]\); a BraTS seg needs", line)
+
+
+@pytest.fixture(scope="module")
+def brats_checkpoint(tmp_path_factory) -> Path:
+    """A BraTS checkpoint of the 8^3 net (4 modalities + 4 mask channels), one step on BraTS phantoms."""
+    out = tmp_path_factory.mktemp("brats_run")
+    train.main(compose_cfg("train", ["data.variant=brats", "model.in_channels=8", "model.out_channels=4",
+                                     "model.cond_channels=4", "train.max_steps=1"], out))
+    return out / "checkpoints" / "last.pt"
+
+
+def test_masks_without_label_3_for_a_brats_checkpoint(brats_checkpoint, tmp_path, capsys):
+    """Labels without 3 may be raw BraTS labels or Med-DDPM's (or a whole-head mask): the line says what sampling takes,
+    and the option it gives is one the sample command has."""
+    write_phantom_niftis(tmp_path / "data", 1, (8, 8, 8))  # a whole-head mask: labels 0 and 1 at this size
+    masks = f"masks={tmp_path / 'data' / 'mask'}"
+    line = refusal(capsys, sample.main, sample_cfg(brats_checkpoint, tmp_path / "out", masks))
+    assert re.search(r"phantom_0000\.nii\.gz: labels \[0, 1\] may be raw BraTS labels .* if they are Med-DDPM's, "
+                     r"pass data=brats data\.seg_labels=medddpm \(sampling takes no raw BraTS labels", line), line
+    sample.main(sample_cfg(brats_checkpoint, tmp_path / "fixed", masks, "data=brats", "data.seg_labels=medddpm"))
+    assert (tmp_path / "fixed" / "phantom_0000.nii.gz").is_file()
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("nifti", "gzip data, such as a .nii.gz volume"),
+    ("truncated", "a truncated or damaged zip archive"),
+    ("empty", "the file is empty"),
+])
+def test_sample_checkpoint_that_is_no_pytorch_checkpoint(kind, reason, checkpoint, tmp_path, capsys):
+    """One short line: not torch's paragraph advising ``weights_only=False`` (unsafe for a file of unknown origin)."""
+    write_phantom_niftis(tmp_path, 1, (8, 8, 8))
+    bad = tmp_path / f"{kind}.pt"
+    bad.write_bytes({"nifti": (tmp_path / "image" / "phantom_0000.nii.gz").read_bytes(),
+                     "truncated": checkpoint.read_bytes()[:5000], "empty": b""}[kind])
+    line = refusal(capsys, sample.main, sample_cfg(bad, tmp_path / "out"))
+    assert line == (f"checkpoint={bad}: not a PyTorch checkpoint ({reason}); pass a checkpoint written by "
+                    "med_ddpm.train or the published Med-DDPM weights")
+
+
+def test_resume_from_a_file_that_is_no_pytorch_checkpoint(tmp_path, capsys):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    line = refusal(capsys, train.main, compose_cfg("train", [f"resume={tmp_path / 'empty.pt'}"], tmp_path / "out"))
+    assert line == (f"resume={tmp_path / 'empty.pt'}: not a PyTorch checkpoint (the file is empty); pass resume=auto, "
+                    "or a checkpoint written by med_ddpm.train")
 
 
 def test_masks_of_mixed_sizes_each_get_their_own_size(checkpoint, tmp_path):

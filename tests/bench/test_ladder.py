@@ -125,7 +125,7 @@ def test_a_dry_run_of_the_e2e_preset_lists_its_commands_and_runs_none(tmp_path, 
     assert not (out / "results.jsonl").exists() and not (out / "jobs").exists()
 
 
-@pytest.mark.parametrize("preset", ["targets", "gpu", "e2e", "quality_training"])
+@pytest.mark.parametrize("preset", ["targets", "gpu", "core", "e2e"])
 def test_a_gpu_preset_without_a_cuda_gpu_is_a_one_line_error(preset, tmp_path, monkeypatch):
     """Not hours of 128³ jobs on the CPU, each ending in a timeout row, and exit status 0."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

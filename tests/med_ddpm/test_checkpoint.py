@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from med_ddpm.checkpoint import (
     infer_model_config,
@@ -64,16 +66,36 @@ def test_missing_file_names_the_path(tmp_path):
         load_checkpoint(tmp_path / "nope.pt")
 
 
-def test_truncated_file_names_the_path(ckpt_path, tmp_path):
-    bad = tmp_path / "truncated.pt"
-    bad.write_bytes(ckpt_path.read_bytes()[:5000])
-    with pytest.raises(CheckpointError, match="truncated.pt.*not a readable torch checkpoint"):
+@pytest.mark.parametrize("kind, reason", [
+    ("truncated", "a truncated or damaged zip archive"),
+    ("empty", "the file is empty"),
+    ("nifti", "gzip data, such as a .nii.gz volume"),
+    ("plain_nifti", "a NIfTI volume"),
+])
+def test_unreadable_file_names_the_path_a_short_reason_and_the_fix(kind, reason, ckpt_path, shared_dir, tmp_path):
+    """torch's own message advises loading with ``weights_only=False``: unsafe advice for a file of unknown origin."""
+    nifti = (shared_dir / "data" / "whole_head" / "mask" / "sample_0.nii.gz").read_bytes()
+    content = {"truncated": ckpt_path.read_bytes()[:5000], "empty": b"", "nifti": nifti,
+               "plain_nifti": gzip.decompress(nifti)}[kind]
+    bad = tmp_path / f"{kind}.pt"
+    bad.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
         load_checkpoint(bad)
+    assert str(err.value) == (f"checkpoint={bad}: not a PyTorch checkpoint ({reason}); pass a checkpoint written by "
+                              "med_ddpm.train or the published Med-DDPM weights")
+
+
+def test_a_pickle_of_objects_is_refused_without_torchs_advice(tmp_path):
+    torch.save({"model": {}, "config": OmegaConf.create({"a": 1})}, tmp_path / "objects.pt")
+    with pytest.raises(CheckpointError, match=r"objects\.pt: not a PyTorch checkpoint \(UnpicklingError: Unsupported "
+                                              r"global: GLOBAL omegaconf\.dictconfig\.DictConfig [^;]*\); pass a ") as err:
+        read_checkpoint(tmp_path / "objects.pt")
+    assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
 
 
 def test_not_a_checkpoint(tmp_path):
     torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
-    with pytest.raises(CheckpointError, match="other.pt: not a Med-DDPM checkpoint"):
+    with pytest.raises(CheckpointError, match="other.pt: not a Med-DDPM checkpoint .*; pass a checkpoint written by"):
         load_checkpoint(tmp_path / "other.pt")
 
 

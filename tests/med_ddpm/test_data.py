@@ -198,9 +198,21 @@ def test_skip_mode_counts_bad_pairs(tmp_path):
 def test_missing_root_and_empty_dataset(tmp_path):
     with pytest.raises(DataError, match="no such folder"):
         list_pairs(tmp_path / "nowhere")
+    with pytest.raises(DataError, match=r"nowhere/image: no such folder; pass data\.root=<a folder with image/"):
+        WholeHeadDataset(tmp_path / "nowhere", SIZE)
+    with pytest.raises(DataError, match=r"nowhere: no such folder; pass data\.root=<a folder of BraTS cases>"):
+        BratsDataset(tmp_path / "nowhere", SIZE)
     (tmp_path / "image").mkdir()
-    with pytest.raises(DataError, match="no usable image/mask pairs"):
+    with pytest.raises(DataError, match=r"no usable image/mask pairs \(skipped 0\); pass data\.root=<a folder with"):
         WholeHeadDataset(tmp_path, SIZE)
+
+
+def test_every_pair_skipped(tmp_path):
+    write_phantom_niftis(tmp_path, 1, SIZE)
+    (tmp_path / "mask" / "phantom_0000.nii.gz").unlink()
+    with pytest.warns(UserWarning, match="skipped 1 bad input"), pytest.raises(
+            DataError, match=r"no usable image/mask pairs \(skipped 1\); fix the files the warning lists"):
+        WholeHeadDataset(tmp_path, SIZE, on_bad_file="skip")
 
 
 def test_gzip_garbage_is_unreadable(tmp_path):
@@ -331,7 +343,7 @@ def test_brats_missing_modality_and_raw_label_3(tmp_path):
 def test_brats_load_condition_needs_t1_for_raw_seg(tmp_path):
     write_phantom_niftis(tmp_path, 1, SIZE, variant="brats", layout="per_case", names=NAMES[:1])
     seg, t1 = (tmp_path / NAMES[0] / f"{NAMES[0]}_{m}.nii.gz" for m in ("seg", "t1"))
-    with pytest.raises(DataError, match="needs t1_path"):
+    with pytest.raises(DataError, match="needs its case's t1 volume .*; pass t1_path="):
         load_condition(seg, "brats", SIZE, seg_labels="raw")
     cond, _ = load_condition(seg, "brats", SIZE, t1_path=t1)
     expected = BratsDataset(tmp_path, SIZE)[0]["cond"]
