@@ -197,13 +197,14 @@ def write(out: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m bench.counter_claims DIR   (DIR holds counters.jsonl)", file=sys.stderr)
+        print(f"error: {' '.join(argv) or 'DIR'}: one folder expected; pass python -m bench.counter_claims DIR "
+              "(DIR holds counters.jsonl)", file=sys.stderr)
         return 2
     rows = Path(argv[0]) / ROWS_FILE
     if not rows.exists():
-        print(f"bench.counter_claims: {rows} not found (write it with python -m bench.counters counters.out={argv[0]})",
+        print(f"error: {rows}: not found; write it with python -m bench.counters counters.out={argv[0]}",
               file=sys.stderr)
-        return 1
+        return 2
     print(write(Path(argv[0])))
     return 0
 

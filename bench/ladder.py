@@ -51,7 +51,7 @@ from bench.records import RESULTS_FILE, append_row, baseline_key, is_baseline, j
 from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
 from bench.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError, check_int
+from med_ddpm.errors import ConfigError, check_int, check_number
 from med_ddpm.model import INPUT_CONV
 
 Stack = tuple[str, ...]
@@ -454,7 +454,22 @@ def ladder_jobs(cfg: DictConfig) -> list[Job]:
     """The jobs of ``cfg.preset``, only those ``cfg.only`` (a regex over a job's overrides) names if set."""
     check_preset(cfg.preset, PRESETS)
     jobs = list(PRESETS[cfg.preset](cfg))
-    return [job for job in jobs if re.search(cfg.only, " ".join(job))] if cfg.only else jobs
+    return picked(jobs, cfg.only, cfg.preset) if cfg.only else jobs
+
+
+def picked(jobs: list[Job], only: str, preset: str) -> list[Job]:
+    """The jobs the regex ``only`` finds in their overrides; a pattern that is no regex, or names no job, is refused
+    (not a ladder that reports 0 jobs left)."""
+    try:
+        pattern = re.compile(str(only))
+    except re.error as err:
+        raise ConfigError(f"only={only}: not a regular expression ({err}); quote it on the command line: "
+                          "\"only='...'\"") from err
+    chosen = [job for job in jobs if pattern.search(" ".join(job))]
+    if not chosen:
+        raise ConfigError(f"only={only}: names none of preset={preset}'s {len(jobs)} jobs; pass a regex over their "
+                          f"overrides (preset={preset} dry_run=true lists them)")
+    return chosen
 
 
 def check_preset(preset: str, presets: Mapping[str, Any]) -> None:
@@ -478,6 +493,8 @@ def run(cfg: DictConfig) -> int:
 
     ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
     check_preset(cfg.preset, {**PRESETS, **COMMAND_PRESETS})
+    if cfg.budget_s is not None:
+        check_number(cfg, "budget_s", 0.0)
     if cfg.preset in COMMAND_PRESETS:
         return COMMAND_PRESETS[cfg.preset](cfg)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)

@@ -35,6 +35,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -66,6 +67,9 @@ OS_FIXES = {
     errno.ENOSPC: "free some space or choose an output_dir= on another disk",
     errno.EDQUOT: "free some space or choose an output_dir= on another disk",
 }
+
+
+UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'\. To append to your config use \+")
 
 
 def _one_line(text: str) -> str:
@@ -106,6 +110,10 @@ def user_error_line(err: BaseException, where: str = "output") -> str | None:
         return missing_config_line(err)
     if isinstance(err, HydraException):
         cause = f" ({_one_line(err.__cause__).split(' full_key:')[0]})" if err.__cause__ else ""
+        unknown = UNKNOWN_KEY.match(_one_line(str(err)))
+        if unknown:  # not Hydra's advice to add the key with +, which would only add an option nothing reads
+            key = unknown[1]
+            return f"{key}: no such option{cause}; check its spelling (--cfg job lists every option)"
         return _one_line(str(err)) + cause
     if isinstance(err, MissingMandatoryValue):
         key = err.full_key or "option"

@@ -200,6 +200,9 @@ def check_divisible(thing: str, size: Sequence[int], channel_mult: Sequence[int]
         fit = ",".join(str(max(step, round(s / step) * step)) for s in size)
         raise error(f"{thing}: not divisible by {step} on every side, as channel_mult {list(channel_mult)} has "
                     f"{levels} levels (2^(levels-1)); pass e.g. {key}=[{fit}]")
+    if math.prod(size) // step ** 3 < 2:
+        raise error(f"{thing}: one voxel at the U-Net's coarsest level, where GroupNorm has a single value per group "
+                    f"to normalise; pass a larger size, e.g. {key}=[{','.join(str(2 * step) for _ in size)}]")
     return list(size)
 
 

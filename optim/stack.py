@@ -47,7 +47,7 @@ def _kinds(recipes: list[Recipe]) -> None:
         kind = recipe.capabilities.kind or recipe.name
         if kind in seen:
             raise RecipeConflictError(f"recipes {seen[kind].name!r} and {recipe.name!r} cannot be combined "
-                                      f"(at most one {kind!r} recipe per stack)")
+                                      f"(at most one {kind!r} recipe per stack); keep one of them in recipe=[...]")
         seen[kind] = recipe
 
 
@@ -59,7 +59,8 @@ def _loss_guard(recipes: list[Recipe]) -> Any:
     guarded = [(r, g) for r in recipes if (g := r.loss_guard()) is not None]
     if len(guarded) > 1:
         raise RecipeConflictError(f"recipes {guarded[0][0].name!r} and {guarded[1][0].name!r} cannot be combined: "
-                                  "each brings its own non-finite-loss guard and the training loop asks only one")
+                                  "each brings its own non-finite-loss guard and the training loop asks only one; "
+                                  "keep one of them in recipe=[...]")
     scaled = [r for r in recipes if r.capabilities.scales_loss]
     if guarded and scaled:
         raise RecipeConflictError(

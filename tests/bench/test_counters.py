@@ -296,10 +296,12 @@ def test_claim_table_sets_stacks_against_strict_fp32(fake_ncu, tmp_path):
     assert (tmp_path / counter_claims.PLOT).stat().st_size > 0
 
 
-def test_claim_table_without_baseline_says_so(fake_ncu, tmp_path):
+def test_claim_table_without_baseline_says_so(fake_ncu, tmp_path, capsys):
     append_row(tmp_path / counter_claims.ROWS_FILE, ok_row(fake_ncu, tmp_path, "[tf32]"))
     assert "No strict-FP32 row for this workload" in counter_claims.write(tmp_path).read_text()
-    assert counter_claims.main([str(tmp_path / "missing")]) == 1
+    assert counter_claims.main([str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'missing' / 'counters.jsonl'}: not found; write it with "
+                                       f"python -m bench.counters counters.out={tmp_path / 'missing'}\n")
 
 
 def test_profiled_step_job_round_trips(fake_ncu, tmp_path):

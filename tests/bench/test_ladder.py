@@ -151,6 +151,16 @@ def test_a_dry_run_of_quality_training_lists_the_runs_then_the_gates_and_trains_
     assert [line.split()[0] for line in listed] == ["[done]"] * 3 + ["[todo]"] * 2
 
 
+@pytest.mark.parametrize("args, pattern", [
+    (["only='(x'"], r"^only=\(x: not a regular expression \(missing \), unterminated subpattern"),
+    (["only=nomatch"], r"^only=nomatch: names none of preset=smoke's 8 jobs; pass a regex"),
+    (["budget_s=-1"], r"^budget_s=-1: must be a number >= 0"),
+], ids=["not-a-regex", "no-job", "negative-budget"])
+def test_bad_only_or_budget_is_one_line(tmp_path, args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        run(ladder_cfg(tmp_path, "preset=smoke", "dry_run=true", *args))
+
+
 def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):
     run(ladder_cfg(tmp_path, "preset=smoke", "dry_run=true", "only='batch_size=2'"))
     todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
