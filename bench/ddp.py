@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,11 @@ from omegaconf import DictConfig
 from torch.utils.data import default_collate
 
 from bench import worker
-from bench.records import RESULTS_FILE, append_row, job_key, read_rows
+from bench.records import RESULTS_FILE, RUN_ID_ENV, append_row, job_key, read_rows, run_id
 from bench.sweep import job_spec
 from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from med_ddpm import cli, distributed
-from med_ddpm.train import Job, build, train_step
+from med_ddpm.train import Job, build, check_options, train_step
 from med_ddpm.utils import env_info
 
 SCENARIO = "ddp_train_step"
@@ -116,12 +117,13 @@ def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
     opts = cfg.ddp
     out = Path(opts.out)
     job = build(cfg)  # joins torchrun's process group
+    os.environ[RUN_ID_ENV] = distributed.broadcast_object(run_id())  # one launch: one run id on every rank
     world, results = distributed.world_size(), out / RESULTS_FILE
     row = base_row(cfg, model_name, world) | {"env": env_info(job.device)}
     start = time.perf_counter()
     try:
         mine = time_ranks(job, opts.warmup, opts.iters)
-    except Exception as err:  # the failing rank records why; torchrun then stops the others
+    except Exception as err:  # the failing rank records why (under the launch's run id); torchrun stops the others
         row["status"], row["message"] = worker.classify(err)
         append_row(results, row | {"message": f"rank {distributed.rank()}: {row['message']}"})
         raise
@@ -147,6 +149,7 @@ def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
 @hydra.main(config_path="../configs", config_name="ddp", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
+    check_options(cfg)  # the training command's checks: a bad option is one line, not a traceback per rank
     measure(cfg, HydraConfig.get().runtime.choices.get("model"))
 
 

@@ -54,3 +54,14 @@ def test_rows_record_recipe_options_and_baselines_match_them(tmp_path):
     (written,) = read_rows(tmp_path / "results.jsonl")
     assert value == 3.0 and source == {"run_id": written["run_id"], "git_sha": written["git_sha"]}  # another launch
     assert baseline_volumes_per_s(tmp_path / "results.jsonl", guarded) == (None, None)
+
+
+def test_a_bad_option_is_one_line_before_any_rank_builds(tmp_path):
+    """The training command's checks run first: a size the U-Net cannot take is one line and exit 2, not a
+    traceback per rank and an error row each."""
+    cmd = [sys.executable, "-m", "bench.ddp", f"ddp.out={tmp_path}", *SMALL, "model.image_size=[15,16,16]"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: model.image_size=[15, 16, 16]: not divisible by 2 on every side, as channel_mult [1, 2] has 2 levels "
+        "(2^(levels-1)); pass e.g. model.image_size=[16,16,16]"]
+    assert not (tmp_path / "results.jsonl").exists()
