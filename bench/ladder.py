@@ -186,8 +186,8 @@ def quality_model_gate(preset: str, checkpoint: str | None) -> Job:
     """The overrides every gated job on the quality model shares: its weights, the gate on, and one reference
     cache beside the weights for the whole ladder."""
     if checkpoint is None:
-        raise ConfigError(f"bench.ladder preset={preset} needs checkpoint=PATH (python -m med_ddpm.train "
-                          "experiment=quality_model writes one)")
+        raise ConfigError(f"checkpoint: not set, and preset={preset} gates the trained quality model; pass "
+                          "checkpoint=PATH (python -m med_ddpm.train experiment=quality_model writes one)")
     return ["model=quality_model", "bench.quality=true", f"bench.checkpoint={checkpoint}",
             f"quality.cache_dir={Path(checkpoint).resolve().parent / 'gate_cache'}"]
 
@@ -225,8 +225,8 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterato
     only the weights differ. The row's time is the reference's FP32 forward. ``preset=quality_training`` trains
     such a pair (strict FP32 and ``experiment=fast_train``'s stack) and gates it with this preset."""
     if reference is None or candidate is None:
-        raise ConfigError("bench.ladder preset=quality_pair needs checkpoint=PATH (the reference's weights) and "
-                         "candidate_checkpoint=PATH")
+        raise ConfigError("checkpoint, candidate_checkpoint: preset=quality_pair gates two sets of weights; pass "
+                          "checkpoint=PATH (the reference's) and candidate_checkpoint=PATH")
     yield ["model=quality_model", "bench=denoise_step", "bench.batch_size=4", "bench.warmup=1", "bench.iters=3",
            "recipe=[]", "sampler=ddpm", "bench.quality=true", f"bench.checkpoint={reference}",
            f"quality.candidate_checkpoint={candidate}"]
@@ -408,8 +408,8 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
     """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
     if not cfg.e2e.data_root:
-        raise ConfigError("bench.ladder: preset=e2e needs e2e.data_root=DIR (a whole-head DATA folder with image/ and "
-                         "mask/); sampling jobs also e2e.checkpoint=PATH")
+        raise ConfigError("e2e.data_root: not set, and preset=e2e trains and samples on real files; pass "
+                          "e2e.data_root=DIR (a whole-head DATA folder with image/ and mask/) and e2e.checkpoint=PATH")
     args = {"out": cfg.out, **{k: v for k, v in cfg.e2e.items() if v is not None}}
     if cfg.budget_s is not None:
         args["budget_s"] = cfg.budget_s
