@@ -91,7 +91,8 @@ def tensor_core_share(times_us: Mapping[str, float]) -> float:
 
 
 def top_kernels(times_us: Mapping[str, float], counts: Mapping[str, int], k: int = 20) -> list[dict]:
-    """The ``k`` most expensive kernels with their category, share and call count."""
+    """The ``k`` most expensive kernels with their category, share and call count (over all the steps that
+    ``times_us`` and ``counts`` cover; :func:`markdown` shows it per step)."""
     total = sum(times_us.values()) or 1.0
     ranked = sorted(times_us.items(), key=lambda kv: -kv[1])[:k]
     return [{"name": n, "time_us": t, "share": t / total, "calls": int(counts.get(n, 0)),
@@ -115,7 +116,7 @@ def load_profile(path: Path, key: str) -> dict:
 
 
 def markdown(profiles: list[dict]) -> str:
-    """Category table (ms per step, one column per stack) and each stack's top kernels."""
+    """Category table (ms per step, one column per stack) and each stack's top kernels (calls and ms per step)."""
     lines = ["# Kernel-level breakdown", "",
              "GPU (or, on CPU, operator self) time per step by kernel category; Tensor-Core share is a "
              "name heuristic (see bench/kernels.py).", ""]
@@ -128,13 +129,14 @@ def markdown(profiles: list[dict]) -> str:
     for p in profiles:
         launched = any(k.get("launched_by") for k in p["top"])
         lines += ["", f"## Top kernels: {p['label']} ({p['scenario']}, {p['activity']})", "",
-                  "| # | kernel | category | TC | calls | ms/step | share |" + (" launched by |" if launched else ""),
+                  "| # | kernel | category | TC | calls/step | ms/step | share |" + (" launched by |" if launched else ""),
                   "|---|---|---|---|---|---|---|" + ("---|" if launched else "")]
         for i, k in enumerate(p["top"], start=1):
             name = short_name(k["name"]).replace("|", "\\|")
             by = f" {short_name(k.get('launched_by') or '', 70).replace('|', '/')} |" if launched else ""
             lines.append(f"| {i} | `{name}` | {k['category']} | {'y' if k['tensor_core'] else ''} | "
-                         f"{k['calls']} | {k['time_us'] / 1e3 / p['steps']:.3f} | {k['share']:.1%} |{by}")
+                         f"{round(k['calls'] / p['steps'], 2):g} | {k['time_us'] / 1e3 / p['steps']:.3f} | "
+                         f"{k['share']:.1%} |{by}")
     lines += timeline_markdown(profiles)
     notes = [f"- {p['label']}: {p['note']}" for p in profiles if p.get("note")]  # corrections made after a run
     return "\n".join(lines + (["", "Notes:", *notes] if notes else [])) + "\n"
@@ -215,7 +217,8 @@ def timeline_markdown(profiles: list[dict]) -> list[str]:
 
 
 def aggregate(events: list[tuple[str, float]]) -> tuple[dict[str, float], dict[str, int]]:
-    """(name, duration) pairs -> total time and call count per name."""
+    """(name, duration) pairs, one per call (kernel launch, or operator call on CPU) -> total time and call count
+    per name."""
     times: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for name, t in events:

@@ -10,16 +10,20 @@ Example:
 Runs the real step (:func:`bench.scenarios.prepared_step`) for ``profile.warmup`` untimed and
 ``profile.steps`` profiled calls under ``torch.profiler`` and attributes the time to kernel
 categories (:mod:`bench.kernels`): on CUDA the GPU time of every kernel and memcpy/memset, on
-CPU each operator's self time. Writes into ``profile.out`` (default: the Hydra output dir, or
-the sweep dir in multirun): ``<label>.json`` per stack (with the network's config, the batch and the
-network calls per step, which ``bench.floor`` counts), then ``profile.md`` and
+CPU each operator call's self time; the top kernels' calls are counted per step on both. Writes into
+``profile.out`` (default: the Hydra output dir, or the sweep dir in multirun): ``<label>.json`` per
+stack (with the network's config, the batch and the network calls per step, which ``bench.floor``
+counts, and the launch's ``run_id``, commit ``git_sha``/``dirty`` and ``env``), then ``profile.md`` and
 ``profile_breakdown.png`` rebuilt from every JSON there, so a multirun gets one table and one
-stacked bar per stack. Profiling runs in this process (multirun jobs share it; the stacks'
-sessions restore their flags and compile caches): use ``bench.sweep`` for timings of record.
+stacked bar per stack, and a line saying whether they come from one run and on which commits and GPUs.
+Profiling runs in this process (multirun jobs share it; the stacks' sessions restore their flags and
+compile caches): use ``bench.sweep`` for timings of record.
 
 ``profile.compare={NAME: PROFILE.json, ...}`` profiles nothing: it puts saved profiles side by side
 under the given names (one stack profiled at two commits has one label), with the change from the
-first to the last, in ``profile_compare.md`` and ``profile_compare.png``.
+first to the last, in ``profile_compare.md`` and ``profile_compare.png``. The page names each profile's
+commit, GPU and run (``not recorded`` for profiles written before bench.profile recorded them) and says
+when they come from separate runs: their differences are then not same-run comparisons.
 
 ``profile.ncu=true`` re-runs the job under ``ncu --clock-control none`` (one warm-up and one
 profiled call, the top kernels only) and adds IPC, tensor-pipe utilisation, achieved occupancy,
@@ -42,14 +46,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from bench import kernels, ncu
-from bench.records import recipe_label
+from bench.records import UNKNOWN, code_label, provenance, recipe_label, run_id
 from bench.scenarios import batch_size, model_calls, prepared_step
 from bench.sweep import job_spec, sweep_dir_of
 from bench.timing import synchronize
 from med_ddpm import cli
-from med_ddpm.utils import atomic_write_text, resolve_device
+from med_ddpm.errors import ConfigError
+from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 SLUG_MAX = 160  # file names: 255 bytes at most, and atomic_write adds a dot, a random part and .json.tmp
+COMPARE_FIX = "pass profile.compare={NAME: PROFILE.json, NAME2: PROFILE2.json}"
 
 
 def _launchers(prof: torch.profiler.profile) -> dict[str, str]:
@@ -80,8 +86,11 @@ def _gpu_events(prof: torch.profiler.profile) -> list[Any]:
 
 
 def _cpu_events(prof: torch.profiler.profile) -> list[tuple[str, float]]:
-    """(name, µs) of every operator's self CPU time: the breakdown on a CPU, where there are no kernels."""
-    return [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    """(name, µs) of every operator call's self CPU time: the breakdown on a CPU, where there are no kernels.
+
+    One pair per call, as :func:`_gpu_events` gives one per kernel launch, so that :func:`bench.kernels.aggregate`
+    counts the calls (``key_averages()`` has one entry per name: every count would read 1)."""
+    return [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
 
 
 def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[str, float]], dict[str, str],
@@ -112,7 +121,8 @@ def summarise(events: list[tuple[str, float]], job: dict[str, Any], device: torc
               launchers: dict[str, str] | None = None, timeline: dict[str, float] | None = None) -> dict:
     """The JSON record of one profiled stack: what ran (the network's config, the batch and the network
     calls per step), per-category ms/step, top kernels (with their launching operator where known),
-    Tensor-Core share, and the GPU timeline where there is one."""
+    Tensor-Core share, the GPU timeline where there is one, and where it ran: this launch's ``run_id``, the
+    commit (``git_sha``, ``dirty``: :func:`bench.records.provenance`) and the environment (``env``)."""
     cfg = job["config"]
     steps = int(cfg["profile"]["steps"])
     times, counts = kernels.aggregate(events)
@@ -129,6 +139,7 @@ def summarise(events: list[tuple[str, float]], job: dict[str, Any], device: torc
         "tensor_core_share": kernels.tensor_core_share(times),
         "top": top,
         "timeline": timeline,
+        "run_id": run_id(), **provenance(), "env": env_info(device),
     }
 
 
@@ -155,14 +166,26 @@ def write_outputs(out: Path, record: dict) -> Path:
     profiles = [p for p in profiles if "categories_ms" in p]
     kernels.stacked_bar_png(profiles, out / "profile_breakdown.png")
     text = kernels.markdown(profiles) + "".join(ncu_markdown(p) for p in profiles if p.get("ncu"))
+    text += "\n" + provenance_note(profiles)
     return atomic_write_text(out / "profile.md", text + "\n![breakdown](profile_breakdown.png)\n")
 
 
-def load_named(named: dict[str, str]) -> list[dict]:
-    """Saved profiles, each relabelled with its name (its recipes kept as ``stack``); a file that is not
-    a profile is an error naming it."""
+def compare_problem(named: Any) -> str | None:
+    """What is wrong with a ``profile.compare`` value (None: two or more names, each naming a file)."""
+    if not isinstance(named, dict):
+        return f"{named!r} is a {type(named).__name__}, not NAME: PROFILE.json entries"
     if len(named) < 2:
-        raise SystemExit(f"bench.profile: profile.compare needs two or more NAME: PROFILE.json entries, got {named}")
+        return f"{named!r} names {len(named)} profile, and a comparison needs two or more"
+    bad = [name for name, path in named.items() if not isinstance(path, str)]
+    return f"{bad[0]}: {named[bad[0]]!r} is not a file name" if bad else None
+
+
+def load_named(named: Any) -> list[dict]:
+    """Saved profiles, each relabelled with its name (its recipes kept as ``stack``); a value that is not two or
+    more named files, or a file that is not a profile, is a :class:`~med_ddpm.errors.ConfigError` naming it."""
+    problem = compare_problem(named)
+    if problem:
+        raise ConfigError(f"profile.compare: {problem}; {COMPARE_FIX}")
     profiles = []
     for name, path in named.items():
         record = kernels.load_profile(Path(path), f"profile.compare.{name}")
@@ -170,10 +193,55 @@ def load_named(named: dict[str, str]) -> list[dict]:
     return profiles
 
 
+def commit_of(profile: dict) -> str | None:
+    """The profile's commit (``-dirty`` when the tree differed), or None: not recorded (older profiles) or unknown."""
+    label = code_label(profile) if "git_sha" in profile else UNKNOWN
+    return None if label == UNKNOWN else label
+
+
+def gpu_of(profile: dict) -> str | None:
+    """The GPU the profile ran on (``no GPU (device cpu)`` on a CPU), or None: not recorded (older profiles)."""
+    env = profile.get("env")
+    return None if env is None else env.get("gpu") or f"no GPU (device {env.get('device')})"
+
+
+def same_run(profiles: list[dict]) -> str | None:
+    """The run id all ``profiles`` share, or None: they come from separate runs (or did not record theirs)."""
+    runs = {p.get("run_id") for p in profiles}
+    return runs.pop() if len(runs) == 1 else None
+
+
+def agreement(what: str, values: dict[str, str | None]) -> str:
+    """One sentence on ``what`` (per profile label): which profiles did not record it, the one value all share, or
+    that they differ."""
+    missing = [label for label, v in values.items() if v is None]
+    distinct = set(values.values())
+    if missing:
+        return f"{what[0].upper()}{what[1:]} not recorded for {', '.join(missing)}."
+    if len(distinct) == 1:
+        return f"Same {what} for all: {distinct.pop()}."
+    return f"{what[0].upper()}{what[1:]}s differ: " + ", ".join(f"{label} {v}" for label, v in values.items()) + "."
+
+
+def provenance_note(profiles: list[dict]) -> str:
+    """Whether the profiles come from one run, and their commits and GPUs: differences between profiles of separate
+    runs are not same-run comparisons."""
+    run = same_run(profiles)
+    unrecorded = " (or did not record theirs)" if any("run_id" not in p for p in profiles) else ""
+    runs = (f"All profiles come from one run ({run})." if run else
+            f"The profiles come from separate runs{unrecorded}: differences between them are between separately "
+            "profiled launches, not same-run comparisons.")
+    commits = agreement("commit", {p["label"]: commit_of(p) for p in profiles})
+    gpus = agreement("GPU", {p["label"]: gpu_of(p) for p in profiles})
+    return f"Provenance: {runs} {commits} {gpus}\n"
+
+
 def change_table(profiles: list[dict]) -> str:
-    """Per category: ms/step of the first and last profile and the difference (last - first)."""
+    """Per category: ms/step of the first and last profile and the difference (last - first), the heading saying
+    when the two come from separate runs."""
     first, last = profiles[0], profiles[-1]
-    lines = [f"## Change from {first['label']} to {last['label']}", "",
+    separate = "" if same_run([first, last]) else " (separate runs, not a same-run comparison)"
+    lines = [f"## Change from {first['label']} to {last['label']}{separate}", "",
              "| category | first ms | last ms | change ms |", "|---|---|---|---|"]
     for cat in kernels.CATEGORY_NAMES:
         a, b = first["categories_ms"][cat], last["categories_ms"][cat]
@@ -184,10 +252,13 @@ def change_table(profiles: list[dict]) -> str:
 
 
 def write_comparison(out: Path, profiles: list[dict]) -> Path:
-    """``profile_compare.md`` (categories, top kernels, legend, change) and ``profile_compare.png``."""
-    legend = "".join(f"- **{p['label']}**: `{p['stack']}`, {p['scenario']}, batch {p['batch_size']} (`{p['file']}`)\n"
-                     for p in profiles)
-    text = (kernels.markdown(profiles) + "\nProfiles:\n" + legend + "\n" + change_table(profiles)
+    """``profile_compare.md`` (categories, top kernels, legend with each profile's commit and GPU, provenance,
+    change) and ``profile_compare.png``."""
+    legend = "".join(f"- **{p['label']}**: `{p['stack']}`, {p['scenario']}, batch {p['batch_size']}, commit "
+                     f"{commit_of(p) or 'not recorded'}, {gpu_of(p) or 'GPU not recorded'}, run "
+                     f"{p.get('run_id') or 'not recorded'} (`{p['file']}`)\n" for p in profiles)
+    text = (kernels.markdown(profiles) + "\nProfiles:\n" + legend + "\n" + provenance_note(profiles) + "\n"
+            + change_table(profiles)
             + "\n![breakdown](profile_compare.png)\n")
     out.mkdir(parents=True, exist_ok=True)
     kernels.stacked_bar_png(profiles, out / "profile_compare.png")

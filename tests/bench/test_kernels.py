@@ -159,7 +159,8 @@ def test_markdown_has_the_timeline_table_only_for_profiles_with_a_timeline():
 
 def test_cpu_profile_end_to_end_has_categories_and_no_gpu_timeline(tmp_path):
     """``python -m bench.profile`` on the tiny smoke model: the record, profile.md and the bar chart are written;
-    a CPU profile has operator self times, so no GPU timeline."""
+    a CPU profile has operator self times, so no GPU timeline, and counts every operator call (a convolution runs
+    in each of the 2 steps); the record carries its run, commit and environment, and profile.md says so."""
     cmd = [sys.executable, "-m", "bench.profile", "experiment=bench_smoke", "bench=train_step",
            f"profile.out={tmp_path}", "profile.steps=2", "profile.warmup=1"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
@@ -167,7 +168,11 @@ def test_cpu_profile_end_to_end_has_categories_and_no_gpu_timeline(tmp_path):
     (record_path,) = tmp_path.glob("train_step_*.json")
     record = json.loads(record_path.read_text())
     assert record["timeline"] is None and record["categories_ms"]["convolution"] > 0
-    assert "GPU timeline" not in (tmp_path / "profile.md").read_text() and (tmp_path / "profile_breakdown.png").exists()
+    assert all(k["calls"] >= 2 for k in record["top"] if k["category"] == "convolution")
+    assert record["run_id"] and record["git_sha"] and record["env"]["device"] == "cpu"
+    text = (tmp_path / "profile.md").read_text()
+    assert "GPU timeline" not in text and (tmp_path / "profile_breakdown.png").exists()
+    assert f"Provenance: All profiles come from one run ({record['run_id']})." in text
 
 
 def test_profile_ncu_reads_ncu_through_bench_ncu(tmp_path, monkeypatch):
