@@ -209,21 +209,31 @@ def append_row(path: str | Path, row: dict[str, Any]) -> None:
     append_line(path, json.dumps(row, sort_keys=True, default=str))
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a results.jsonl; a torn last line (killed writer) is skipped with a warning."""
+def read_results(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a results.jsonl (``path``, or ``path/results.jsonl`` for a folder) and a
+    ``<file name>:<line>: <parse error>`` for each line that is not a JSON row, skipped: a torn last line (a writer
+    killed mid-line) or a corrupt one anywhere."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() or path.suffix != ".jsonl":
         path = path / RESULTS_FILE
     if not path.exists():
         raise DataError(f"{path.parent}: no results file ({path.name}); pass the folder a sweep or ladder wrote")
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    rows, skipped = [], []
+    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            warnings.warn(f"{path}:{n}: skipping unreadable row ({err})", RuntimeWarning, stacklevel=2)
+        except ValueError as err:  # not JSON, or not UTF-8
+            skipped.append(f"{path.name}:{n}: {err}")
+    return rows, skipped
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a results.jsonl (:func:`read_results`); each unreadable line is skipped with a warning."""
+    rows, skipped = read_results(path)
+    for line in skipped:
+        warnings.warn(f"{path}: skipping unreadable row {line}", RuntimeWarning, stacklevel=2)
     return rows
 
 

@@ -14,7 +14,10 @@ report.md shows, per workload, the latest row of each stack (job) with its commi
 headline tables. A row of unknown provenance (no run id, as in results files written before
 run ids existed, or no known commit) is never a headline: it is listed apart, labelled, with
 its own numbers unchanged and no speed-up unless its run has a baseline. report.csv has every
-row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message.
+row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message. The quality
+column reads ``not gated``, or the gate's verdict with its N and ``random weights`` when it had no checkpoint. A
+workload's heading names its world size (bench.ddp rows, with their scaling efficiency) and gradient accumulation.
+A line of results.jsonl that is no JSON row is skipped and named in a note at the top of report.md.
 quality.md (when the gate ran): for the latest gated row of each job, every check of the gate with its
 status, value, p-value, null quantiles (distribution checks) or limits, and the gate's minimum detectable
 eps bias, so a verdict can be read back to the check that decided it.
@@ -38,22 +41,36 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from bench.records import UNKNOWN, baseline_key, code_label, is_baseline, job_key, read_rows, recipe_label
+from bench.records import UNKNOWN, baseline_key, code_label, is_baseline, job_key, read_results, recipe_label
 from bench.training_report import write_training_report
 from med_ddpm import cli
+from med_ddpm.errors import ConfigError
 from med_ddpm.utils import atomic_write_text, save_figure
 
 COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
-           "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s", "tflops",
-           "peak_fraction", "precision", "compile_s", "quality", "quality_value", "code", "run_id", "message")
+           "ms_p90", "iqr_pct", "speedup", "peak_mem_gib", "mem_vs_baseline", "volumes_per_s",
+           "scaling_efficiency", "tflops", "peak_fraction", "precision", "compile_s", "quality", "quality_value", "code", "run_id", "message")
 LEGACY_RUN = "legacy (no run id)"
+DIR_FIX = "pass dir=<a sweep folder holding results.jsonl>"
 QUALITY_METRIC = "x0_nrmse"  # gate number on the x-axis of the Pareto plot (lower is better)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+def quality_label(row: dict[str, Any]) -> str:
+    """The ``quality`` cell: ``not gated``, else the gate's verdict with its N, and ``random weights`` when it had
+    no checkpoint (``bench.checkpoint``): a pass on a seeded random net at N=8 is not a trained model's at N=32."""
+    gate = row.get("quality")
+    if not gate:
+        return "not gated"
+    notes = [f"N={gate['n_samples']}"] if gate.get("n_samples") else []
+    if not ((row.get("config") or {}).get("bench") or {}).get("checkpoint"):
+        notes.append("random weights")
+    return f"{gate.get('verdict')} ({', '.join(notes)})" if notes else str(gate.get("verdict"))
 
 
 def _quality_value(row: dict[str, Any], metric: str) -> float | None:
@@ -104,7 +121,8 @@ def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> lis
             "recipes": recipe_label(row),
             "speedup": _ratio(base["ms_median"], row.get("ms_median")) if base and ok else None,
             "mem_vs_baseline": _ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib")) if base and ok else None,
-            "quality": (row.get("quality") or {}).get("verdict"),
+            "quality": quality_label(row),
+            "verdict": (row.get("quality") or {}).get("verdict"),
             "quality_value": _quality_value(row, metric),
             "code": code_label(row),
             "run_id": row.get("run_id") or LEGACY_RUN,
@@ -126,7 +144,7 @@ def _fmt(value: Any) -> str:
 
 def to_csv(table: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "has_baseline", "baseline", "headline"], lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[*COLUMNS, "verdict", "has_baseline", "baseline", "headline"], lineterminator="\n")
     writer.writeheader()
     writer.writerows(table)
     return buf.getvalue()
@@ -146,6 +164,26 @@ SHOWN = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speed
          "message")
 
 
+def workload_title(head: dict[str, Any]) -> str:
+    """A workload's heading: the identity fields that tell two workloads of one model apart."""
+    what = f"{head['scenario']} · {head['model']} · batch {head['batch_size']}"
+    if head.get("grad_accum") not in (None, 1):
+        what += f" · grad accum {head['grad_accum']}"
+    if head.get("world_size") is not None:
+        what += f" · world {head['world_size']}"
+    if head.get("sampler"):
+        what += f" · {head['sampler']} {head['steps']} steps"
+    return what
+
+
+def shown_columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """SHOWN, with ``scaling_efficiency`` after ``volumes_per_s`` when a row has one (bench.ddp)."""
+    if all(r["scaling_efficiency"] is None for r in rows):
+        return SHOWN
+    at = SHOWN.index("volumes_per_s") + 1
+    return (*SHOWN[:at], "scaling_efficiency", *SHOWN[at:])
+
+
 def _workload_tables(table: list[dict[str, Any]], level: str) -> list[str]:
     """One markdown table per workload, baseline first, then by speed-up."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -153,26 +191,33 @@ def _workload_tables(table: list[dict[str, Any]], level: str) -> list[str]:
         groups[baseline_key(r)].append(r)
     lines = []
     for rs in groups.values():
-        head = rs[0]
-        what = f"{head['scenario']} · {head['model']} · batch {head['batch_size']}"
-        if head.get("sampler"):
-            what += f" · {head['sampler']} {head['steps']} steps"
-        lines += [f"{level} {what}", ""]
+        lines += [f"{level} {workload_title(rs[0])}", ""]
         if not any(r["has_baseline"] for r in rs):
             lines += ["_No successful strict-FP32 row of the same run: no speed-ups._", ""]
         rs = sorted(rs, key=lambda r: (r["recipes"] != "[] (fp32)", -(r["speedup"] or 0)))
-        lines += ["| " + " | ".join(SHOWN) + " |", "|" + "---|" * len(SHOWN)]
-        lines += ["| " + " | ".join(_fmt(r[c]) for c in SHOWN) + " |" for r in rs]
+        columns = shown_columns(rs)
+        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rs]
         lines.append("")
     return lines
 
 
-def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
-    """The headline tables (latest row per stack, known provenance), then the rows of unknown provenance."""
+def skipped_note(skipped: Sequence[str]) -> list[str]:
+    """The lines of results.jsonl that are no row, named where nobody misses them (none skipped: no note)."""
+    if not skipped:
+        return []
+    return [f"**{len(skipped)} unreadable line(s) of results.jsonl skipped**: their rows are in no table below and "
+            "not in report.csv (a torn last line is a writer killed mid-line; a line elsewhere is corrupt: repair "
+            "it or rerun its job).", "", *(f"- `{line}`" for line in skipped), ""]
+
+
+def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], skipped: Sequence[str] = ()) -> str:
+    """The note of ``skipped`` lines, the headline tables (latest row per stack, known provenance), then the rows of
+    unknown provenance."""
     headline = [r for r in table if r["headline"]]
     unknown = [r for r, row in zip(table, rows) if not known_provenance(row)]
     shown_rows = [row for r, row in zip(table, rows) if r["headline"]] or rows
-    lines = ["# Benchmark report", "", f"Environment: {env_summary(shown_rows)}.", "",
+    lines = ["# Benchmark report", "", *skipped_note(skipped), f"Environment: {env_summary(shown_rows)}.", "",
              "The latest row of each stack per workload, with its commit (`code`) and run. Speed-up and memory "
              "are relative to the strict-FP32 row (`[] (fp32)`) of the same workload in the same run; times are "
              "per call in ms (median, p10, p90; IQR as % of the median). Older rows are in report.csv.", ""]
@@ -265,7 +310,7 @@ def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], l
     fig, (ax, key) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [3, 2]})
     stacked: dict[tuple[float, float], int] = defaultdict(int)  # points already numbered at a position
     for n, ((x, y), r) in enumerate(zip(points, rows), 1):
-        ax.scatter(x, y, color=colours.get(r["quality"], "tab:gray"))
+        ax.scatter(x, y, color=colours.get(r["verdict"], "tab:gray"))
         ax.annotate(str(n), (x, y), fontsize=7, xytext=(4, 3 + 8 * stacked[(x, y)]), textcoords="offset points")
         stacked[(x, y)] += 1
     ax.plot([points[i][0] for i in front], [points[i][1] for i in front], "k--", lw=0.8, label="Pareto front")
@@ -278,7 +323,7 @@ def _front_plot(points: list[tuple[float, float]], rows: list[dict[str, Any]], l
     ax.set_ylabel(axis_labels[1])
     ax.legend()
     key.axis("off")
-    key.text(0, 1, "\n".join(f"{n}. {textwrap.shorten(label, 70)} ({r['quality'] or 'no verdict'})"
+    key.text(0, 1, "\n".join(f"{n}. {textwrap.shorten(label, 70)} ({r['verdict'] or 'no verdict'})"
                               for n, (label, r) in enumerate(zip(labels, rows), 1)),
              fontsize=7, va="top", family="monospace", transform=key.transAxes)
     fig.tight_layout()
@@ -362,14 +407,14 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
 
 def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False) -> Path:
     """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path."""
-    rows = read_rows(sweep_dir)
+    rows, skipped = read_results(sweep_dir)
     table = report_rows(rows, metric)
     headline = [r for r in table if r["headline"]]
     images = [p for p in (plot_speedups(headline, sweep_dir / "speedup.png"),
                           plot_pareto(headline, sweep_dir / "speedup_vs_quality.png", metric),
                           plot_calls(rows, table, sweep_dir / "calls_vs_quality.png"),
                           plot_throughput(headline, sweep_dir / "throughput_vs_batch.png")) if p]
-    markdown = to_markdown(table, rows) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
+    markdown = to_markdown(table, rows, skipped) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
     atomic_write_text(sweep_dir / "report.csv", to_csv(table))
     quality = quality_markdown(rows)
     if quality:
@@ -381,10 +426,21 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     return md
 
 
+def results_folder(cfg: DictConfig) -> Path:
+    """``dir=``, refused unset or a file before anything is written (Hydra's run dir is the working directory,
+    left untouched; a folder without results.jsonl is refused by :func:`bench.records.read_results`)."""
+    if OmegaConf.is_missing(cfg, "dir"):
+        raise ConfigError(f"dir: has no value; {DIR_FIX}")
+    folder = Path(cfg.dir)
+    if folder.is_file():
+        raise ConfigError(f"dir={folder}: is a file, not a folder; {DIR_FIX}")
+    return folder
+
+
 @hydra.main(config_path="../configs", config_name="report", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
-    print(write_report(Path(cfg.dir), cfg.metric, cfg.wandb))
+    print(write_report(results_folder(cfg), cfg.metric, cfg.wandb))
 
 
 if __name__ == "__main__":

@@ -10,17 +10,19 @@ them as one page, each part with the commit of the code that wrote it:
 * the paired and ε checks between the trained models, reported, not deciding.
 
 The preset writes it after the verdict; ``python -m bench.report dir=DIR`` writes it for any folder that holds
-``training_verdict.json``.
+``training_verdict.json``. This module is no command: ``python -m bench.training_report`` says so and points there.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from bench.quality_training import NOISE, VERDICT_FILE, arm_label
 from bench.records import code_label
+from med_ddpm.cli import EXIT_USER_ERROR
 from med_ddpm.utils import atomic_write_text
 
 TRAINING_MD = "training.md"
@@ -66,7 +68,7 @@ def checks_table(verdict: dict[str, Any]) -> list[str]:
     lines = [f"| check | {PAIRS['stack']} | p | {PAIRS[NOISE]} | p | stack |", "| --- | --- | --- | --- | --- | --- |"]
     for name, check in (verdict.get("checks") or {}).items():
         stack, noise = check["stack"], check[NOISE]
-        lines.append(f"| {name} | {_num(stack['value'])} | {_num(stack['p_value'], 2)} | {_num(noise['value'])} | "
+        lines.append(f"| {name} | {_num(stack['value'])} | {_num(stack['p_value'], '.2g')} | {_num(noise['value'])} | "
                      f"{_num(noise['p_value'], '.2g')} | {check['verdict']} |")
     return lines
 
@@ -107,3 +109,14 @@ def write_training_report(folder: Path) -> Path | None:
     """Write ``training.md`` into ``folder`` when it holds a training verdict; its path, else None."""
     page = training_markdown(folder)
     return None if page is None else atomic_write_text(folder / TRAINING_MD, page)
+
+
+def main() -> int:
+    """``python -m bench.training_report``: not a command; one line names the one that writes the page."""
+    print(f"error: bench.training_report: not a command; run python -m bench.report dir=<the training folder>, which "
+          f"writes {TRAINING_MD} beside report.md", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

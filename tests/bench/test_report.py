@@ -2,7 +2,10 @@
 runs mixed in one file, rows of unknown provenance; bench.records' run id and provenance stamp."""
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ from bench import records, report
 from bench.records import append_row, missing_baselines, read_rows
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def row(recipes, ms, status="ok", batch=1, scenario="train_step", mem=10.0, quality=None, message="", run="run-1"):
@@ -45,7 +49,7 @@ def test_speedups_against_same_workload_baseline():
     assert by[(1, "tf32")]["speedup"] == pytest.approx(4.0)
     assert by[(1, "amp_bf16")]["speedup"] == pytest.approx(8.0)
     assert by[(1, "amp_bf16")]["mem_vs_baseline"] == pytest.approx(0.5)
-    assert by[(1, "amp_bf16")]["quality"] == "warn"
+    assert by[(1, "amp_bf16")]["verdict"] == "warn" and by[(1, "[] (fp32)")]["verdict"] is None
     assert by[(1, "amp_fp16")]["speedup"] is None and by[(1, "amp_fp16")]["status"] == "oom"
     assert by[(2, "tf32")]["speedup"] is None and not by[(2, "tf32")]["has_baseline"]
     assert by[(4, "tf32")]["speedup"] == pytest.approx(1600 / 300)
@@ -81,7 +85,7 @@ def test_strict_fp32_rows_alone_get_no_speedup_plots(tmp_path):
 def test_torn_line_and_missing_baselines(sweep):
     with open(sweep / "results.jsonl", "a") as f:
         f.write('{"scenario": "train_st')  # a writer killed mid-line
-    with pytest.warns(RuntimeWarning, match="unreadable row"):
+    with pytest.warns(RuntimeWarning, match="unreadable row results.jsonl:8: Unterminated string"):
         rows = read_rows(sweep)
     assert len(rows) == len(ROWS)
     need = missing_baselines(rows, "run-1")
@@ -219,3 +223,71 @@ def test_quality_md_lists_every_check_of_the_latest_gated_row(tmp_path):
 def test_no_quality_md_without_a_gated_row(sweep):
     report.write_report(sweep)
     assert not (sweep / "quality.md").exists()
+
+
+def test_every_unreadable_line_is_named_in_the_report(sweep):
+    """A corrupt line mid-file and a torn last one: the report is drawn from the other rows and says which lines
+    it skipped and why, so it is never silently incomplete."""
+    lines = (sweep / "results.jsonl").read_text().splitlines()
+    lines[2] = "#" + lines[2][1:]  # a corrupt byte in the amp_bf16 row
+    (sweep / "results.jsonl").write_text("\n".join(lines) + '\n{"scenario": "train_st')
+    md = report.write_report(sweep).read_text()
+    assert "**2 unreadable line(s) of results.jsonl skipped**" in md
+    assert "- `results.jsonl:3: Expecting value: line 1 column 1 (char 0)`" in md and "- `results.jsonl:8: Unterminated string" in md
+    assert "| amp_bf16 |" not in md and "| tf32 | ok | 200 |" in md
+    assert len((sweep / "report.csv").read_text().splitlines()) == len(ROWS)  # header + the 6 readable rows
+
+
+def test_no_note_when_every_line_reads(sweep):
+    assert "unreadable" not in report.write_report(sweep).read_text()
+
+
+def gated(verdict, n=None, checkpoint=None):
+    quality = {"verdict": verdict, **({"n_samples": n} if n else {})}
+    return {**row(["tf32"], 100.0, quality=quality), "config": {"bench": {"timeout_s": 10, "checkpoint": checkpoint}}}
+
+
+def test_the_quality_cell_says_not_gated_the_gates_n_and_random_weights():
+    """A bare ``pass`` on a seeded random net at N=8 must not read like a trained model's verdict at N=32."""
+    rows = [row([], 100.0), gated("pass", 8), gated("fail", 32, "runs/q/last.pt"), gated("error")]
+    assert [r["quality"] for r in report.report_rows(rows)] == [
+        "not gated", "pass (N=8, random weights)", "fail (N=32)", "error (random weights)"]
+    assert [r["verdict"] for r in report.report_rows(rows)] == [None, "pass", "fail", "error"]
+    assert "| pass (N=8, random weights) | 0123456789ab |" in report.to_markdown(report.report_rows(rows[:2]), rows[:2])
+
+
+def ddp_row(world, recipes, ms, efficiency):
+    return row(recipes, ms, scenario="ddp_train_step") | {"world_size": world, "grad_accum": 2,
+                                                           "scaling_efficiency": efficiency}
+
+
+def test_ddp_worlds_get_their_own_headings_and_scaling_efficiency():
+    rows = [ddp_row(1, [], 400.0, 1.0), ddp_row(1, ["amp_bf16"], 100.0, 1.0), ddp_row(2, [], 440.0, 0.909)]
+    md = report.to_markdown(report.report_rows(rows), rows)
+    one, two = "## ddp_train_step · medddpm_whole_head · batch 1 · grad accum 2 · world 1", "world 2"
+    assert md.count(one) == 1 and md.count(two) == 1 and md.index(one) < md.index(two)
+    assert "| volumes_per_s | scaling_efficiency | tflops |" in md
+    assert "| [] (fp32) | ok | 440 | 396 | 484 | 1 | 1 | 10 | 1 | 2.27 | 0.909 | 1 |" in md
+    assert "scaling_efficiency" not in report.to_markdown(report.report_rows(ROWS), ROWS)  # no DDP row: no column
+    assert "grad accum" not in report.to_markdown(report.report_rows(ROWS), ROWS) and "world" not in report.workload_title(ROWS[0])
+
+
+def run_report(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "bench.report", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.mark.parametrize("arg, line", [
+    (None, "error: dir: has no value; pass dir=<a sweep folder holding results.jsonl>"),
+    ("results.jsonl", "error: dir={d}/results.jsonl: is a file, not a folder; pass dir=<a sweep folder holding "
+                      "results.jsonl>"),
+    ("absent", "error: {d}/absent: no results file (results.jsonl); pass the folder a sweep or ladder wrote"),
+], ids=["unset", "a-file", "absent"])
+def test_a_bad_dir_is_one_line_and_creates_nothing(arg, line, sweep):
+    """Hydra's run dir is not dir=: an unset dir is no traceback, a file no FileExistsError, and an absent folder
+    is not created (with a report.log in it) only to be refused."""
+    before = sorted(sweep.rglob("*"))
+    proc = run_report(*([f"dir={sweep / arg}"] if arg else []), cwd=sweep)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line.format(d=sweep)], proc.stderr
+    assert sorted(sweep.rglob("*")) == before

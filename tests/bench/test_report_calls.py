@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from bench import report
-from bench.records import append_row
+from bench.records import append_row, read_rows
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 H200_SAMPLERS = Path(__file__).resolve().parents[2] / "bench/results/h200/quality/samplers/results.jsonl"
@@ -50,6 +50,6 @@ def test_report_plots_calls_against_the_gate(tmp_path):
     md = report.write_report(tmp_path).read_text()
     assert "![calls_vs_quality](calls_vs_quality.png)" in md
     assert (tmp_path / "calls_vs_quality.png").stat().st_size > 1000
-    rows = report.read_rows(tmp_path)
+    rows = read_rows(tmp_path)
     assert report.plot_calls(rows, report.report_rows(rows), tmp_path / "none.png") is not None
     assert report.plot_calls(rows[:0], [], tmp_path / "none.png") is None
