@@ -110,7 +110,8 @@ def command(own: Mapping[str, str], overrides: list[str], args: Mapping[str, str
     run_dir = job_dir / "run"
     if own["scenario"] == "e2e_sample":
         if "checkpoint" not in args:
-            raise ConfigError("bench.e2e: sampling jobs need e2e.checkpoint=PATH (an original Med-DDPM or this project's)")
+            raise ConfigError("e2e.checkpoint: not set, and the sampling jobs load one; pass e2e.checkpoint=PATH (an "
+                              "original Med-DDPM checkpoint or this project's)")
         masks = cycled_masks(Path(args.get("masks_dir") or Path(args["data_root"]) / "mask"), int(own.get("masks", 4)),
                              job_dir / "masks")
         return ["med_ddpm.sample", f"checkpoint={args['checkpoint']}", f"masks={masks}", *overrides,
