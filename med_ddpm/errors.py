@@ -212,3 +212,14 @@ def check_model_size(cfg: DictConfig) -> list[int]:
     if OmegaConf.is_list(cfg.model.channel_mult):  # anything else: the U-Net's constructor refuses it
         check_divisible(f"model.image_size={size}", size, cfg.model.channel_mult, "model.image_size")
     return size
+
+
+def check_checkpoint_options(cfg: DictConfig) -> None:
+    """The options of a command that runs a checkpoint's network (sampling, the step search): ``checkpoint`` set,
+    ``weights``, ``image_size`` (null: the checkpoint's own) and ``device``."""
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise ConfigError("checkpoint: not set; pass checkpoint=PATH (a checkpoint written by med_ddpm.train, "
+                          "or the published Med-DDPM weights)")
+    check_choice(cfg, "weights", ("ema", "model"))
+    check_size(cfg, "image_size", optional=True)
+    check_device(cfg)

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
@@ -40,13 +40,11 @@ from med_ddpm.errors import (
     ConfigError,
     DataError,
     OutputError,
-    check_choice,
-    check_device,
+    check_checkpoint_options,
     check_divisible,
     check_int,
     check_one_of,
     check_sampler,
-    check_size,
 )
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import sample, sampler_from_config
@@ -287,14 +285,9 @@ def run(cfg: DictConfig) -> list[Path]:
 
 def check_options(cfg: DictConfig) -> None:
     """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on."""
-    if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise ConfigError("checkpoint: not set; pass checkpoint=PATH (a checkpoint written by med_ddpm.train, "
-                          "or the published Med-DDPM weights)")
+    check_checkpoint_options(cfg)
     check_int(cfg, "num_samples", 1)
     check_int(cfg, "seed", 0)
-    check_choice(cfg, "weights", ("ema", "model"))
-    check_size(cfg, "image_size", optional=True)
-    check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion, steps=False)  # the steps' range: the checkpoint's schedule's
     seg_labels = cfg.data.get("seg_labels", "auto")
     if seg_labels == "raw":

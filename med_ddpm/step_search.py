@@ -47,11 +47,9 @@ from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.errors import (
     ConfigError,
     DataError,
-    check_choice,
-    check_device,
+    check_checkpoint_options,
     check_int,
     check_int_value,
-    check_size,
 )
 from med_ddpm.samplers import SPACINGS, make_timesteps
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device, seed_everything
@@ -171,15 +169,10 @@ def table(result: dict[int, dict[str, object]]) -> str:
 
 def check_options(cfg: DictConfig) -> list[int]:
     """Refuse, before the checkpoint is loaded, an option the search would fail on; returns the K to search."""
-    if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise ConfigError("checkpoint: not set; pass checkpoint=PATH (a checkpoint written by med_ddpm.train, "
-                          "or the published Med-DDPM weights)")
+    check_checkpoint_options(cfg)
     for key, low in (("n", 1), ("batch", 1), ("seed", 0)):
         check_int(cfg, key, low)
     check_int(cfg, "order", 1, 3, " (the sampler's order: 2 is 2M, 3 is 3M)")
-    check_choice(cfg, "weights", ("ema", "model"))
-    check_size(cfg, "image_size", optional=True)
-    check_device(cfg)
     if not str(cfg.name) or "/" in str(cfg.name):
         raise ConfigError(f"name={cfg.name!r}: must be a file stem; pass name=ays_mymodel")
     steps = cfg.steps if OmegaConf.is_list(cfg.steps) else [cfg.steps]
