@@ -14,7 +14,9 @@ report.md shows, per workload, the latest row of each stack (job) with its commi
 headline tables. A row of unknown provenance (no run id, as in results files written before
 run ids existed, or no known commit) is never a headline: it is listed apart, labelled, with
 its own numbers unchanged and no speed-up unless its run has a baseline. report.csv has every
-row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message. The quality
+row. Failed jobs (oom, nan, unsupported, error) stay in the tables with their status and message. A recipe inert on
+the row's device (``tf32`` on a CPU) is named in the message; a row whose recipes are all inert timed the baseline's
+computation again and gets no speed-up. The quality
 column reads ``not gated``, or the gate's verdict with its N and ``random weights`` when it had no checkpoint. A
 workload's heading names its world size (bench.ddp rows, with their scaling efficiency) and gradient accumulation.
 A line of results.jsonl that is no JSON row is skipped and named in a note at the top of report.md.
@@ -108,6 +110,21 @@ def same_run_baselines(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict
             if row.get("run_id") and is_baseline(row) and row.get("status") == "ok"}
 
 
+def inert_note(row: dict[str, Any]) -> str:
+    """Names the row's recipes that change nothing on its device (their ``acts_on`` leaves it out), or ``""``."""
+    inert = row.get("inert_recipes") or []
+    if not inert:
+        return ""
+    where = str((row.get("env") or {}).get("device") or "this device").split(":")[0]
+    return f"inert on {where}: {', '.join(inert)}"
+
+
+def all_inert(row: dict[str, Any]) -> bool:
+    """Every recipe of the row is inert on its device: it timed the baseline's computation again, so its
+    ratio is noise and is not shown."""
+    return bool(row.get("inert_recipes")) and len(row["inert_recipes"]) == len(row.get("recipes") or [])
+
+
 def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> list[dict[str, Any]]:
     """Rows of the report table: each job with its speed-up and memory vs its own run's baseline."""
     baselines = same_run_baselines(rows)
@@ -116,17 +133,18 @@ def report_rows(rows: list[dict[str, Any]], metric: str = QUALITY_METRIC) -> lis
     for n, row in enumerate(rows):
         base = baselines.get((row.get("run_id"), baseline_key(row)))
         ok = row.get("status") == "ok"
+        timed = base and ok and not all_inert(row)
         out.append({
             **{k: row.get(k) for k in COLUMNS},
             "recipes": recipe_label(row),
-            "speedup": _ratio(base["ms_median"], row.get("ms_median")) if base and ok else None,
+            "speedup": _ratio(base["ms_median"], row.get("ms_median")) if timed else None,
             "mem_vs_baseline": _ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib")) if base and ok else None,
             "quality": quality_label(row),
             "verdict": (row.get("quality") or {}).get("verdict"),
             "quality_value": _quality_value(row, metric),
             "code": code_label(row),
             "run_id": row.get("run_id") or LEGACY_RUN,
-            "message": "" if ok else (row.get("message") or "").splitlines()[0][:120] if row.get("message") else "",
+            "message": inert_note(row) if ok else (row.get("message") or "").splitlines()[0][:120] if row.get("message") else "",
             "has_baseline": base is not None,
             "baseline": is_baseline(row),
             "headline": latest.get(job_key(row)) == n,

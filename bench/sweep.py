@@ -41,6 +41,7 @@ from bench.records import RESULTS_FILE, append_row, missing_baselines, new_run, 
 from bench.worker import cut_by_budget, run_job
 from med_ddpm import cli
 from med_ddpm.errors import check_device, check_int, check_model_size, check_number, check_sampler
+from med_ddpm.utils import resolve_device
 from optim import RecipeStack
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,9 @@ def check_options(cfg: DictConfig) -> None:
     check_model_size(cfg)
     check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion)
-    RecipeStack.from_config(cfg.get("recipe"))  # a pair that cannot be combined: one line, not an error row
+    stack = RecipeStack.from_config(cfg.get("recipe"))  # a pair that cannot be combined: one line, not an error row
+    if inert := stack.inert(resolve_device(cfg.device)):
+        log.warning("%s: inert on this device (it changes nothing here); the row gets no speed-up", ", ".join(inert))
 
 
 @hydra.main(config_path="../configs", config_name="bench", version_base="1.3")

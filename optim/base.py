@@ -72,6 +72,9 @@ class Capabilities:
         inductor: inductor config the session sets for any compile in the stack (a compile recipe's
             own ``inductor`` option wins over it).
         devices: device types it runs on; ``None``: any.
+        acts_on: device types on which it changes the computation; elsewhere it runs but is inert (``tf32``
+            sets CUDA flags no CPU kernel reads), so a timed row of it there measures the baseline again.
+            ``None``: every device it runs on.
         min_cuda_capability: CUDA compute capability major it needs on CUDA; 0: any.
         modules: importable packages it needs.
         requirement: what needs the device, for refusals (``"bfloat16 autocast"``).
@@ -89,6 +92,7 @@ class Capabilities:
     flags: Mapping[str, Any] = field(default_factory=dict)
     inductor: Mapping[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] | None = None
+    acts_on: tuple[str, ...] | None = None
     min_cuda_capability: int = 0
     modules: tuple[str, ...] = ()
     requirement: str = ""
@@ -96,6 +100,10 @@ class Capabilities:
     captures_graphs: bool = False
     scales_loss: bool = False
     slow_first_call: bool = False
+
+    def inert_on(self, device: DeviceInfo) -> bool:
+        """True where the recipe runs but changes nothing (see ``acts_on``)."""
+        return self.acts_on is not None and device.type not in self.acts_on
 
     def refusal(self, device: DeviceInfo) -> str:
         """Why the recipe cannot run on ``device`` (``"<reason>; <fix>"``), or ``""`` when it can."""

@@ -45,7 +45,8 @@ class CudnnBenchmark(Recipe):
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"cudnn_benchmark: limit must be a non-negative int or null, got {limit!r}")
         self.limit = limit
-        self.capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-4, "atol": 1e-6}, flags=_flags(True, limit))
+        self.capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-4, "atol": 1e-6}, flags=_flags(True, limit),
+                                         acts_on=("cuda",))
 
     def options(self) -> dict[str, Any]:
         return {"limit": self.limit}

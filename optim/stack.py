@@ -142,6 +142,11 @@ class RecipeStack:
                 return False, f"recipe {recipe.name!r} is unsupported on this device: {reason}"
         return True, ""
 
+    def inert(self, device: DeviceInfo | torch.device | str | None) -> list[str]:
+        """The recipes that run on ``device`` but change nothing there (their ``acts_on`` leaves it out)."""
+        info = DeviceInfo.of(device)
+        return [r.name for r in self.recipes if r.capabilities.inert_on(info)]
+
     def require(self, device: DeviceInfo | torch.device | str | None) -> None:
         """Raise :class:`UnsupportedRecipeError` with the recipe's reason when unsupported."""
         ok, reason = self.supported(device)

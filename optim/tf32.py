@@ -42,7 +42,7 @@ class Tf32(Recipe):
         self.conv, self.matmul = conv, matmul
         self.capabilities = Capabilities(exact=False, tolerance={"rtol": 2e-2, "atol": 1e-4},
                                          flags=tf32_flags(conv, matmul),
-                                         min_cuda_capability=8, requirement="TF32", fix="drop tf32 on this GPU")
+                                         acts_on=("cuda",), min_cuda_capability=8, requirement="TF32", fix="drop tf32 on this GPU")
 
     def options(self) -> dict[str, Any]:
         return {"conv": self.conv, "matmul": self.matmul}

@@ -64,6 +64,20 @@ def test_worker_crash_is_an_error_row(tmp_path):
     assert row["env"]["torch"]  # the placeholder row written before the crash kept the environment
 
 
+def test_a_recipe_inert_on_the_device_is_named_and_its_row_gets_no_speedup(tmp_path):
+    """tf32 sets CUDA flags no CPU kernel reads: on a CPU its row times the baseline again, so the row names it and
+    the report shows no ratio (a noise "speed-up" read as the recipe's effect), while amp_bf16 keeps its ratio."""
+    rows = []
+    for recipes in ("[]", "[tf32]", "[tf32,amp_bf16]"):
+        job = compose_job(["experiment=bench_smoke", "bench=denoise_step", f"recipe={recipes}"], tmp_path)
+        rows.append({**run_job(job, tmp_path / f"job{len(rows)}", timeout_s=120), "run_id": "r", "git_sha": "0" * 40})
+    assert [r["inert_recipes"] for r in rows] == [[], ["tf32"], ["tf32"]]
+    base, tf32, both = report_rows(rows)
+    assert tf32["speedup"] is None and tf32["message"] == "inert on cpu: tf32"
+    assert both["speedup"] == pytest.approx(rows[0]["ms_median"] / rows[2]["ms_median"])
+    assert both["message"] == "inert on cpu: tf32"
+
+
 def test_quality_gate_fills_the_row(tmp_path):
     """bench.quality=true: the row carries med_ddpm.quality's verdict for the job's stack vs strict FP32."""
     job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=10", "sampler.steps=10",
