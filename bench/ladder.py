@@ -407,7 +407,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
 
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
     """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
-    if not cfg.e2e.data_root:
+    if not cfg.e2e.data_root and not cfg.dry_run:  # a dry run lists the jobs and reads no data
         raise ConfigError("e2e.data_root: not set, and preset=e2e trains and samples on real files; pass "
                           "e2e.data_root=DIR (a whole-head DATA folder with image/ and mask/) and e2e.checkpoint=PATH")
     args = {"out": cfg.out, **{k: v for k, v in cfg.e2e.items() if v is not None}}

@@ -122,6 +122,8 @@ def test_a_job_without_its_keys_and_bad_arguments_are_refused():
     cfg = {"out": "x", "budget_s": 60, "dry_run": False, "e2e": {"data_root": "d", "checkpoint": None}}
     assert e2e_args(OmegaConf.create(cfg)) == {"out": "x", "data_root": "d", "budget_s": "60"}
     assert e2e_args(OmegaConf.create({**cfg, "dry_run": True}))["budget_s"] == "0"  # lists the jobs, runs none
+    listing = {**cfg, "dry_run": True, "e2e": {"data_root": None}}  # and needs no data to list them
+    assert e2e_args(OmegaConf.create(listing)) == {"out": "x", "budget_s": "0"}
     with pytest.raises(ConfigError, match=r"^e2e.checkpoint: not set, and the sampling jobs load one; pass "):
         command({"scenario": "e2e_sample"}, [], {"out": "x", "data_root": "d"}, Path("job"))
 
