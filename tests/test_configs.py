@@ -125,3 +125,12 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     stack = RecipeStack.from_config(cfg.recipe)
     assert stack.optimizer_options() == {"fused": True} and stack.inductor_options() == {"realize_reads_threshold": 6}
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")
+
+
+@pytest.mark.parametrize(("overrides", "where"), [(["hydra.sweep.dir=/tmp/a"], "/tmp/a"),
+                                                   (["hydra.sweep.dir=/tmp/a", "output_dir=/tmp/b"], "/tmp/b")])
+def test_a_single_bench_job_writes_where_the_sweep_would(overrides, where):
+    """Without -m, bench.sweep's results go to hydra.sweep.dir too (output_dir= wins), not to a folder of its own."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=overrides, return_hydra_config=True)
+    assert cfg.hydra.run.dir == where
