@@ -11,7 +11,7 @@ step (:func:`bench.scenarios.prepared_step`), makes ``counters.warmup`` calls (c
 compilation and CUDA-graph capture happen there, unprofiled), then ``counters.steps`` calls inside
 the NVTX start/end range ``counters.range``; ncu replays every kernel launched in that range once
 per metric pass. The parent reads the report's raw page (and, with ``counters.rules``, its rule
-results) and writes into ``counters.out`` (default: the Hydra run dir, or the sweep dir):
+results) and writes into ``counters.out`` (Hydra's run and sweep dir follow it; unset: ``results/counters/<time>``):
 
 * a row in ``counters.jsonl`` (:func:`bench.records.append_row`: identity, env, config) whose
   ``counters`` field holds, per step, the totals over all kernels and per kernel category
@@ -44,7 +44,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from bench import counter_claims, kernels, ncu
 from bench.counter_claims import ROWS_FILE
@@ -364,7 +364,7 @@ def main(cfg: DictConfig) -> None:
     job = {**job_spec(cfg, hc.runtime.choices.get("model") or "model"), "experiment": hc.runtime.choices.get("experiment")}
     c = job["config"]["counters"]
     check_options(c)
-    out = Path(c["out"] or sweep_dir_of(hc))
+    out = Path(OmegaConf.select(cfg, "counters.out", throw_on_missing=False) or sweep_dir_of(hc))
     label = f"{job['config']['bench']['scenario']} {profile_label(job)}"
     left = time_left(c["budget_s"])
     if already_measured(out, job):

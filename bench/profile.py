@@ -11,7 +11,7 @@ Runs the real step (:func:`bench.scenarios.prepared_step`) for ``profile.warmup`
 ``profile.steps`` profiled calls under ``torch.profiler`` and attributes the time to kernel
 categories (:mod:`bench.kernels`): on CUDA the GPU time of every kernel and memcpy/memset, on
 CPU each operator call's self time; the top kernels' calls are counted per step on both. Writes into
-``profile.out`` (default: the Hydra output dir, or the sweep dir in multirun): ``<label>.json`` per
+``profile.out`` (Hydra's run and sweep dir follow it; unset: ``output_dir``, else ``results/bench/<time>``): ``<label>.json`` per
 stack (with the network's config, the batch and the network calls per step, which ``bench.floor``
 counts, and the launch's ``run_id``, commit ``git_sha``/``dirty`` and ``env``), then ``profile.md`` and
 ``profile_breakdown.png`` rebuilt from every JSON there, so a multirun gets one table and one
@@ -43,7 +43,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from bench import kernels, ncu
 from bench.records import UNKNOWN, code_label, provenance, recipe_label, run_id
@@ -315,7 +315,7 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
     config = job["config"]
-    out = Path(config["profile"]["out"] or sweep_dir_of(hc))
+    out = Path(OmegaConf.select(cfg, "profile.out", throw_on_missing=False) or sweep_dir_of(hc))
     if config["profile"]["compare"]:
         print(write_comparison(out, load_named(config["profile"]["compare"])))
         return

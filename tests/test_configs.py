@@ -127,10 +127,12 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")
 
 
-@pytest.mark.parametrize(("overrides", "where"), [(["hydra.sweep.dir=/tmp/a"], "/tmp/a"),
-                                                   (["hydra.sweep.dir=/tmp/a", "output_dir=/tmp/b"], "/tmp/b")])
-def test_a_single_bench_job_writes_where_the_sweep_would(overrides, where):
-    """Without -m, bench.sweep's results go to hydra.sweep.dir too (output_dir= wins), not to a folder of its own."""
+@pytest.mark.parametrize(("config", "overrides", "where"), [
+    ("bench", ["hydra.sweep.dir=/tmp/a"], "/tmp/a"), ("bench", ["hydra.sweep.dir=/tmp/a", "output_dir=/tmp/b"], "/tmp/b"),
+    ("bench", ["profile.out=/tmp/p"], "/tmp/p"), ("counters", ["counters.out=/tmp/c"], "/tmp/c")])
+def test_hydras_run_folder_is_where_the_results_go(config, overrides, where):
+    """Without -m, bench.sweep's results go to hydra.sweep.dir too (output_dir= wins), not to a folder of their own;
+    bench.profile's and bench.counters' Hydra log and run record sit beside their rows."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=overrides, return_hydra_config=True)
+        cfg = compose(config_name=config, overrides=overrides, return_hydra_config=True)
     assert cfg.hydra.run.dir == where
