@@ -451,8 +451,8 @@ COMMAND_PRESETS: dict[str, Callable[[DictConfig], int]] = {"e2e": run_e2e, "qual
 
 
 def ladder_jobs(cfg: DictConfig) -> list[Job]:
-    """The jobs of ``cfg.preset``, only those ``cfg.only`` (a regex over a job's overrides) names if set."""
-    check_preset(cfg.preset, PRESETS)
+    """The jobs of ``cfg.preset`` (:func:`run` checked its name), only those ``cfg.only`` (a regex over a job's
+    overrides) names if set."""
     jobs = list(PRESETS[cfg.preset](cfg))
     return picked(jobs, cfg.only, cfg.preset) if cfg.only else jobs
 
@@ -472,8 +472,8 @@ def picked(jobs: list[Job], only: str, preset: str) -> list[Job]:
     return chosen
 
 
-def check_preset(preset: str, presets: Mapping[str, Any]) -> None:
-    if preset not in presets:
+def check_preset(preset: str) -> None:
+    if preset not in {**PRESETS, **COMMAND_PRESETS}:
         raise ConfigError(f"bench.ladder: unknown preset={preset}; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
 
 
@@ -492,7 +492,7 @@ def run(cfg: DictConfig) -> int:
     """Run the ladder ``cfg`` (configs/ladder.yaml) describes; return the jobs left.
 
     ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
-    check_preset(cfg.preset, {**PRESETS, **COMMAND_PRESETS})
+    check_preset(cfg.preset)
     if cfg.budget_s is not None:
         check_number(cfg, "budget_s", 0.0)
     if cfg.preset in COMMAND_PRESETS:

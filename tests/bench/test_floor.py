@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import floor, profile
-from bench.floor import floors_ms, main, measure_peaks, table, workload
+from bench.floor import floors_ms, main, measure_peaks, measured_ms, table, workload
 from bench.sweep import job_spec
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.model import build_model
@@ -51,7 +51,7 @@ def test_floors_are_flops_over_rate_and_passes_over_bandwidth() -> None:
     assert floors_ms(counts, "train_step", PEAKS) == pytest.approx({"convolution": 30.0, "groupnorm": 4.0})
     with pytest.raises(ValueError, match="full_sample"):
         floors_ms(counts, "full_sample", PEAKS)
-    text = table(profile_record(), floors_ms(counts, "denoise_step", PEAKS), PEAKS)
+    text = table(profile_record(), measured_ms(profile_record()), floors_ms(counts, "denoise_step", PEAKS), PEAKS)
     assert "Rates measured on the NVIDIA Test GPU: bf16 matmul 500 TFLOP/s, copy 4.00 TB/s" in text
     assert "| convolution | 12.00 | 10.00 | 2.00 |" in text
     assert "| GroupNorm and elementwise | 5.50 | 1.50 | 4.00 |" in text
