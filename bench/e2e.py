@@ -15,7 +15,7 @@ A job is a list of strings: ``scenario=e2e_sample|e2e_train``, ``compile_cache=c
 (``paths.compile_cache``, inductor's and Triton's caches) first; ``warm`` runs the same command once
 beforehand if that folder has no compile artifacts yet (untimed). Sampling gets N masks by cycling the files
 of ``masks_dir`` (default ``<data_root>/mask``); training uses ``data_root``, and BraTS jobs phantom cases
-written at the model size unless ``brats_root`` is given. ``<out>/e2e.md`` tabulates the rows (``bench.report`` owns report.md). Resumable: a job whose row is in results.jsonl is
+written at the model size unless ``brats_root`` is given. ``<out>/e2e.md`` tabulates the rows (``bench.report`` rewrites it, and points report.md to it). Resumable: a job whose row is in results.jsonl is
 skipped; ``budget_s`` stops starting jobs once spent, and a job it cuts short leaves no row.
 
 Row fields beyond the common ones (:mod:`bench.records`), all seconds unless named otherwise:
@@ -67,6 +67,8 @@ from med_ddpm.errors import ConfigError
 from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.utils import atomic_write_text, env_info
+
+E2E_MD = "e2e.md"
 
 JOB_KEYS = ("scenario", "compile_cache", "masks")
 SCENARIOS = ("e2e_sample", "e2e_train")
@@ -303,6 +305,12 @@ def report(rows: list[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_page(out: Path, rows: list[Mapping[str, Any]]) -> Path | None:
+    """``<out>/e2e.md`` from the e2e rows among ``rows`` (:func:`report`); None when there are none."""
+    rows = [row for row in rows if row.get("e2e")]
+    return atomic_write_text(out / E2E_MD, report(rows)) if rows else None
+
+
 def done_jobs(out: Path) -> set[str]:
     return {r.get("e2e") for r in read_rows(out)} if (out / RESULTS_FILE).exists() else set()
 
@@ -330,6 +338,6 @@ def run(jobs: Iterator[Sequence[str]], args: Mapping[str, str]) -> int:
                                                    "per_volume_s", "time_to_first_step_s", "ms_per_volume",
                                                    "data_wait_pct")}))
     if (out / RESULTS_FILE).exists():
-        atomic_write_text(out / "e2e.md", report([r for r in read_rows(out) if r.get("e2e")]))
+        write_page(out, read_rows(out))
     print(f"e2e: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
     return left

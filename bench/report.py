@@ -23,6 +23,7 @@ A line of results.jsonl that is no JSON row is skipped and named in a note at th
 quality.md (when the gate ran): for the latest gated row of each job, every check of the gate with its
 status, value, p-value, null quantiles (distribution checks) or limits, and the gate's minimum detectable
 eps bias, so a verdict can be read back to the check that decided it.
+e2e.md (a ``preset=e2e`` folder: the real commands' rows, :mod:`bench.e2e`; report.md then points to it).
 training.md (a ``preset=quality_training`` folder): the arms, the training verdict and its checks
 (:mod:`bench.training_report`).
 PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs the
@@ -45,6 +46,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from bench.e2e import write_page as write_e2e_page
 from bench.records import UNKNOWN, baseline_key, code_label, is_baseline, job_key, read_results, recipe_label
 from bench.training_report import write_training_report
 from med_ddpm import cli
@@ -229,9 +231,14 @@ def skipped_note(skipped: Sequence[str]) -> list[str]:
             "it or rerun its job).", "", *(f"- `{line}`" for line in skipped), ""]
 
 
-def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], skipped: Sequence[str] = ()) -> str:
+def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], skipped: Sequence[str] = (),
+                e2e_page: Path | None = None) -> str:
     """The note of ``skipped`` lines, the headline tables (latest row per stack, known provenance), then the rows of
-    unknown provenance."""
+    unknown provenance; a folder of end-to-end rows points to their page instead of empty tables."""
+    if e2e_page is not None and not rows:
+        return "\n".join(["# Benchmark report", "", *skipped_note(skipped),
+                          f"This folder holds end-to-end rows of the real commands: every row is in [{e2e_page.name}]"
+                          f"({e2e_page.name}).", ""])
     headline = [r for r in table if r["headline"]]
     unknown = [r for r, row in zip(table, rows) if not known_provenance(row)]
     shown_rows = [row for r, row in zip(table, rows) if r["headline"]] or rows
@@ -426,13 +433,15 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
 def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False) -> Path:
     """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path."""
     rows, skipped = read_results(sweep_dir)
+    e2e_page = write_e2e_page(sweep_dir, rows)  # the real commands' rows have their own columns
+    rows = [row for row in rows if not row.get("e2e")]
     table = report_rows(rows, metric)
     headline = [r for r in table if r["headline"]]
     images = [p for p in (plot_speedups(headline, sweep_dir / "speedup.png"),
                           plot_pareto(headline, sweep_dir / "speedup_vs_quality.png", metric),
                           plot_calls(rows, table, sweep_dir / "calls_vs_quality.png"),
                           plot_throughput(headline, sweep_dir / "throughput_vs_batch.png")) if p]
-    markdown = to_markdown(table, rows, skipped) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
+    markdown = to_markdown(table, rows, skipped, e2e_page) + "".join(f"\n![{p.stem}]({p.name})\n" for p in images)
     atomic_write_text(sweep_dir / "report.csv", to_csv(table))
     quality = quality_markdown(rows)
     if quality:

@@ -291,3 +291,19 @@ def test_a_bad_dir_is_one_line_and_creates_nothing(arg, line, sweep):
     proc = run_report(*([f"dir={sweep / arg}"] if arg else []), cwd=sweep)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [line.format(d=sweep)], proc.stderr
     assert sorted(sweep.rglob("*")) == before
+
+
+def test_a_folder_of_end_to_end_rows_gets_their_page_not_empty_step_tables(tmp_path):
+    """bench.report on a preset=e2e folder: the rows have no step times, so report.md points to e2e.md, which it
+    writes from the same rows as bench.e2e does; a folder of both keeps the step tables too."""
+    e2e = {**row(["amp_fp16"], None), "scenario": "e2e_sample", "e2e": "scenario=e2e_sample masks=4 compile_cache=warm",
+           "total_s": 46.9, "compile_cache": "warm"}
+    append_row(tmp_path / "results.jsonl", e2e)
+    md = report.write_report(tmp_path).read_text()
+    assert "every row is in [e2e.md](e2e.md)" in md and "| recipes |" not in md
+    page = (tmp_path / "e2e.md").read_text()
+    assert page.splitlines()[2].startswith("| `scenario=e2e_sample masks=4 compile_cache=warm` | warm |") and "| 46.9 |" in page
+    for r in ROWS[:2]:
+        append_row(tmp_path / "results.jsonl", r)
+    md = report.write_report(tmp_path).read_text()
+    assert "| tf32 | ok | 200 |" in md and "e2e_sample" not in md
