@@ -473,8 +473,9 @@ def picked(jobs: list[Job], only: str, preset: str) -> list[Job]:
 
 
 def check_preset(preset: str) -> None:
-    if preset not in {**PRESETS, **COMMAND_PRESETS}:
-        raise ConfigError(f"bench.ladder: unknown preset={preset}; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
+    known = {**PRESETS, **COMMAND_PRESETS}
+    if preset not in known:
+        raise ConfigError(f"bench.ladder: unknown preset={preset}; known: {', '.join(known)}")
 
 
 def require_gpu(preset: str) -> None:

@@ -76,7 +76,7 @@ IDENTITY_FIELDS = ("scenario", "model", "image_size", "batch_size", "grad_accum"
 # Filled by a successful measurement; present as null in every other row, so all rows share keys.
 MEASURED_FIELDS = ("ms_median", "ms_p10", "ms_p90", "iqr_pct", "ms_mean", "ms_std", "iters", "warmup",
                    "first_call_s", "compile_s", "peak_mem_gib", "volumes_per_s", "voxels_per_s", "flops",
-                   "tflops", "precision", "peak_fraction", "describe")
+                   "tflops", "precision", "peak_fraction", "describe", "inert_recipes")
 
 
 def baseline_key(row: dict[str, Any]) -> str:

@@ -39,7 +39,6 @@ from med_ddpm.quality import gate_from_config
 from med_ddpm.sample import CONFIG_DIR
 from med_ddpm.samplers import sampler_options
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
-from optim import RecipeStack
 
 FAULTS = ("oom", "nan", "error", "segfault")  # bench.inject: test-only fault injection
 OOM_PATTERN = re.compile(r"out of memory|CUDNN_STATUS_ALLOC_FAILED|CUBLAS_STATUS_ALLOC_FAILED", re.I)
@@ -124,8 +123,7 @@ def measure(job: Mapping[str, Any], row_path: Path) -> dict[str, Any]:
     device = resolve_device(cfg["device"])
     if cfg["bench"].get("threads"):
         torch.set_num_threads(int(cfg["bench"]["threads"]))
-    row = {**base_row(job), "env": env_info(device),
-           "inert_recipes": RecipeStack.from_config(cfg.get("recipe")).inert(device)}
+    row = {**base_row(job), "env": env_info(device)}
     atomic_write_text(row_path, json.dumps(row, default=str))
     inject = cfg["bench"].get("inject")
     wrap = (lambda step: inject_fault(step, str(inject))) if inject else None  # YAML reads nan as a float
