@@ -15,6 +15,7 @@ from med_ddpm.samplers import DDPMSampler, sample
 
 EPS_ATOL = 1e-4
 TRAJ_ATOL = 1e-4
+TEMB_ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,10 @@ def test_architecture_inferred_from_keys(ema, ref):
     assert not ema.model.training
 
 
-def test_timestep_embedding_exact(ref):
-    assert torch.equal(timestep_embedding(ref["t"], 32), ref["temb_sinusoid"])
+def test_timestep_embedding(ref):
+    """The README's tolerance: the float32 formula matches to the bit only on the CPU kernels that made the
+    reference; ATen's AVX-512 sin/cos differ from its AVX2 ones in the last bits (3.6e-6 here)."""
+    torch.testing.assert_close(timestep_embedding(ref["t"], 32), ref["temb_sinusoid"], atol=TEMB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["", "_nc"])
