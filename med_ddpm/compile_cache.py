@@ -153,10 +153,13 @@ class CompileCache:
 
 
 def precompiled_report(model: torch.nn.Module) -> dict[str, Any] | None:
-    """What the ahead-of-time compiled forward did (``loaded``, ``saved`` or ``lazy``, and how many calls took the
-    lazy path), for timings.json; None without a compile recipe with ``aot``."""
+    """What the ahead-of-time compiled forward did (``loaded``, ``saved`` or ``lazy``, how many calls took the
+    lazy path, and the seconds its file took to load or to build and save), for timings.json; None without a
+    compile recipe with ``aot``."""
     forward = precompiled_forward(model)
-    return None if forward is None else {"status": forward.status, "lazy_calls": forward.lazy_calls}
+    if forward is None:
+        return None
+    return {"status": forward.status, "lazy_calls": forward.lazy_calls, "seconds": round(forward.seconds, 4)}
 
 
 def cache_status(cache: CompileCache | None) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,17 +48,21 @@ class Precompiled:
         status: ``pending`` until the first call, then what it did: ``loaded`` the file, ``saved`` a new one, or
             ``lazy`` (no file could be used: every call is compiled by ``torch.compile`` as without ``aot``).
         lazy_calls: calls that took the lazy ``torch.compile`` path (guards failed, or no file could be used).
+        seconds: what the first call spent loading the file, or compiling and saving it. Dynamo's own time counters
+            (``torch._dynamo.utils.calculate_time_spent``) do not see ``aot_compile``, so this is its only record.
     """
 
     def __init__(self, forward: Callable[..., Any], compile_kwargs: Mapping[str, Any], path: Path) -> None:
         self.forward, self.compile_kwargs, self.path = forward, dict(compile_kwargs), Path(path)
         self.lazy = torch.compile(forward, **self.compile_kwargs)  # compiles on its first call only
         self.compiled: Any = None
-        self.status, self.lazy_calls = "pending", 0
+        self.status, self.lazy_calls, self.seconds = "pending", 0, 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.status == "pending":
+            start = time.perf_counter()
             self.compiled = self._load(args, kwargs)
+            self.seconds = time.perf_counter() - start
         module = getattr(self.forward, "__self__", None)
         if self.compiled is not None and self.compiled.guard_check(module, *args, **kwargs):
             return self.compiled(module, *args, **kwargs)

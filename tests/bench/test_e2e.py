@@ -63,7 +63,8 @@ def test_the_split_is_read_off_the_marks():
               "write_busy_s": 2.4, "write_wait_s": 0.1, "torch_compile_s": {"total_wall_time": 6.25}}
     split = sample_split(sample)
     assert split["torch_compile_s"] == 6.25 and split["precompiled"] is None  # no aot
-    assert sample_split({**sample, "precompiled": {"status": "loaded", "lazy_calls": 0}})["precompiled"] == "loaded"
+    loaded = sample_split({**sample, "precompiled": {"status": "loaded", "lazy_calls": 0, "seconds": 1.5}})
+    assert (loaded["precompiled"], loaded["precompile_s"]) == ("loaded", 1.5)
     assert (split["imports_s"], split["cuda_init_s"], split["startup_s"]) == (2.0, 0.5, 4.0)
     assert (split["checkpoint_s"], split["recipes_s"], split["model_prep_s"], split["mask_wait_s"]) == (0.25, 0.5, 0.75, 0.5)
     assert sample_split({k: v for k, v in sample.items() if k != "recipes_ready_s"})["recipes_s"] is None  # older code

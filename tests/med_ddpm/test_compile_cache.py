@@ -165,7 +165,9 @@ def test_sampling_with_aot_loads_its_compiled_forward_in_the_next_run(tmp_path, 
                               timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
     first, second = (json.loads((tmp_path / run / "timings.json").read_text()) for run in ("a", "b"))
-    assert (first["precompiled"], second["precompiled"]) == ({"status": "saved", "lazy_calls": 0},
-                                                           {"status": "loaded", "lazy_calls": 0})
+    report = [{k: v for k, v in t["precompiled"].items() if k != "seconds"} for t in (first, second)]
+    assert report == [{"status": "saved", "lazy_calls": 0}, {"status": "loaded", "lazy_calls": 0}]
+    # building the file compiles the network; loading it does not
+    assert first["precompiled"]["seconds"] > second["precompiled"]["seconds"] > 0
     volumes = [nib.load(next((tmp_path / run).glob("*.nii.gz"))).get_fdata() for run in ("a", "b")]
     assert (volumes[0] == volumes[1]).all()
