@@ -291,15 +291,20 @@ def failure(row: Mapping[str, Any]) -> str:
     return textwrap.shorten(f"{row['status']}: {why}{last}".replace("|", "/"), 240)
 
 
+def commit(row: Mapping[str, Any]) -> str:
+    """The row's code: its commit's first 7 digits, ``+dirty`` when the tree had uncommitted changes."""
+    return str(row.get("git_sha") or "?")[:7] + ("+dirty" if row.get("dirty") else "")
+
+
 def report(rows: list[Mapping[str, Any]]) -> str:
     """A markdown table of the e2e rows (one line each, a failure with its reason and the log's last line), then
     the imports of each row that has them, by package."""
-    lines = ["| job | " + " | ".join(title for _, title in TABLE) + " | status |",
-             "| --- |" + " --- |" * (len(TABLE) + 1)]
+    lines = ["| job | commit | " + " | ".join(title for _, title in TABLE) + " | status |",
+             "| --- |" + " --- |" * (len(TABLE) + 2)]
     for row in rows:
         cells = ["" if row.get(key) is None else str(row[key]) for key, _ in TABLE]
         status = row["status"] if row["status"] == "ok" else failure(row)
-        lines.append(f"| `{row['e2e']}` | " + " | ".join(cells) + f" | {status} |")
+        lines.append(f"| `{row['e2e']}` | {commit(row)} | " + " | ".join(cells) + f" | {status} |")
     timed = [row for row in rows if row.get("import_s")]
     if timed:
         lines += ["", "Imports by package, seconds (`python -X importtime`; an import on another thread may count "

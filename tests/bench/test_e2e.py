@@ -103,12 +103,12 @@ def test_imports_are_timed_per_package_and_kept_out_of_the_log_tail(tmp_path):
 
 def test_the_report_has_a_line_per_row_and_names_failures():
     rows = [{"e2e": "scenario=e2e_sample masks=4 compile_cache=warm", "status": "ok", "message": "", "total_s": 14.2,
-             "per_volume_s": 1.95, "compile_cache": "warm"},
+             "per_volume_s": 1.95, "compile_cache": "warm", "git_sha": "48d1474d04cc", "dirty": True},
             {"e2e": "scenario=e2e_train compile_cache=cold", "status": "oom",
              "message": "exit code 3; log tail:\n[...] data.cache=auto: memory\nerror: CUDA out of memory. Tried to "
                         "allocate 1.27 GiB. ...; lower train.batch_size or num_samples\n"}]
     lines = report(rows).splitlines()
-    assert len(lines) == 4 and "| warm |  | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
+    assert len(lines) == 4 and "| 48d1474+dirty | warm |  | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
     assert lines[3].endswith("| oom: exit code 3: error: CUDA out of memory. Tried to allocate 1.27 GiB. ...; lower "
                              "train.batch_size or num_samples |")
     timed = report([{**rows[0], "import_s": {"torch": 4.25, "torch._inductor": 3.5, "other": 0.25}}]).splitlines()
