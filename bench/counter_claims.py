@@ -4,7 +4,8 @@ The seed study (ICPE 2026, "Performance Analysis and Optimization of 3D Generati
 across GPU Architectures") reports that TF32 plus a channels-last 3-D layout "reduce SM cycles by up to
 100x, cut dynamic instructions by 100x, raise Tensor Core utilization 1.45-9.98x, and increase IPC by
 7 % on A100". For every workload (scenario, size, batch) in a ``counters.jsonl``, each stack is set
-against the strict-FP32 row of the same file, so of the same run:
+against the strict-FP32 row of the same file, so of the same run (a page built from several folders, one device
+call each, marks a stack measured in another run than its baseline: that factor is not a same-run ratio):
 
 * reduction factors = baseline / stack, for SM cycles and warp instructions summed over the step's kernels;
 * tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step runs its
@@ -17,6 +18,7 @@ rule-estimated savings when they were collected.
 
 Example:
     python -m bench.counter_claims results/counters/2026-12-04_10-00-00
+    python -m bench.counter_claims bench/results/h200/counters denoise128 train64_same_call   # one page, several calls
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.records import baseline_key, is_baseline, read_rows, recipe_label
+from bench.records import baseline_key, code_label, is_baseline, read_rows, recipe_label
 from med_ddpm.utils import atomic_write_text, save_figure
 
 ROWS_FILE = "counters.jsonl"
@@ -92,25 +94,42 @@ def baseline_of(stacks: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((r for r in stacks if is_baseline(r)), None)
 
 
+def other_run(row: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """Where ``row`` was measured when not in ``base``'s run: its folder (one device call each, :func:`read_calls`)
+    or its run id; None for the same run."""
+    if row.get("call") != base.get("call"):
+        return f"another call: {row['call']}"
+    if row.get("run_id") and base.get("run_id") and row["run_id"] != base["run_id"]:
+        return f"another run: {row['run_id']}"
+    return None
+
+
+def compared_label(row: dict[str, Any], base: dict[str, Any]) -> str:
+    where = other_run(row, base)
+    return f"{stack_label(row)} ({where})" if where else stack_label(row)
+
+
 def claims_table(stacks: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: the study's claim, the strict-FP32 baseline's own numbers, then each stack's factors."""
+    """Markdown lines: the study's claim, the strict-FP32 baseline's own numbers, then each stack's factors, each
+    with its commit (a stack from another run than the baseline says so)."""
     base = baseline_of(stacks)
     lines = [f"### {workload_title(stacks[0])}", ""]
     if base is None:
         return lines + ["No strict-FP32 row for this workload in the file: no factors (run `recipe=[]` too).", ""]
     b = base["counters"]["overall"]
-    lines += ["| stack | kernel time reduction | SM cycles reduction | instruction reduction | tensor-pipe use | IPC change |",
-              "|---|---|---|---|---|---|",
-              f"| {STUDY['label']} | | {STUDY['sm_cycles']} | {STUDY['inst']} | {STUDY['tensor']} | {STUDY['ipc']} |",
+    lines += ["| stack | kernel time reduction | SM cycles reduction | instruction reduction | tensor-pipe use | IPC change "
+              "| commit |", "|---|---|---|---|---|---|---|",
+              f"| {STUDY['label']} | | {STUDY['sm_cycles']} | {STUDY['inst']} | {STUDY['tensor']} | {STUDY['ipc']} | |",
               f"| fp32 (baseline: {b['duration_ns'] / 1e6:.2f} ms, {_m(b['sm_cycles'])} M cycles, "
-              f"{_m(b['inst_executed'])} M inst, IPC {b['ipc'] or 0:.2f}) | 1x | 1x | 1x | {_pct(b['tensor_pipe_pct'])} | 0 |"]
+              f"{_m(b['inst_executed'])} M inst, IPC {b['ipc'] or 0:.2f}) | 1x | 1x | 1x | {_pct(b['tensor_pipe_pct'])} | 0 "
+              f"| {code_label(base)} |"]
     for row in stacks:
         if row is base:
             continue
         c = compare(row, base)
         tensor = f"{_x(c['tensor'])} ({_pct(c['tensor_pct'])})" if c["tensor"] is not None else _pct(c["tensor_pct"])
-        lines.append(f"| {stack_label(row)} | {_x(c['time'])} | {_x(c['sm_cycles'])} | {_x(c['inst'])} | "
-                     f"{tensor} | {_pct(c['ipc'], signed=True)} |")
+        lines.append(f"| {compared_label(row, base)} | {_x(c['time'])} | {_x(c['sm_cycles'])} | {_x(c['inst'])} | "
+                     f"{tensor} | {_pct(c['ipc'], signed=True)} | {code_label(row)} |")
     return lines + [""]
 
 
@@ -142,7 +161,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     gpu = (env.get("env") or {}).get("gpu")
     lines = ["# Hardware counters per recipe stack (Nsight Compute)", "",
              f"GPU {gpu or 'none'}, ncu {env.get('ncu_version')}, kernel {env.get('kernel_release')}. Per step, summed over "
-             "the profiled kernels; factors against the strict-FP32 row of this file.", "",
+             "the profiled kernels; factors against the strict-FP32 row of the same workload, of the same run unless the "
+             "stack says otherwise.", "",
              "## Study claim vs this GPU", ""]
     for stacks in groups.values():
         lines += claims_table(stacks)
@@ -179,7 +199,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.axhline(CLAIM_FACTOR, color="k", ls="--", lw=1, label="study claim on A100 (100x)")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_yscale("log")
-        ax.set_xticks(list(xs), [stack_label(r)[:40] for r in others], rotation=20, ha="right", fontsize=7)
+        ticks = [stack_label(r)[:40] + ("\n(another run)" if other_run(r, base) else "") for r in others]
+        ax.set_xticks(list(xs), ticks, rotation=20, ha="right", fontsize=7)
         ax.set_ylabel("strict FP32 / stack")
         ax.set_title(workload_title(base), fontsize=9)
         ax.legend(fontsize=7)
@@ -188,24 +209,33 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write(out: Path) -> Path:
-    """Rebuild counters.md and counters_claims.png from ``out/counters.jsonl``; returns the markdown path."""
-    rows = read_rows(Path(out) / ROWS_FILE)
+def read_calls(folders: list[Path]) -> list[dict[str, Any]]:
+    """The rows of each folder's ``counters.jsonl`` in order, each tagged ``call`` with its folder's name."""
+    return [{**row, "call": folder.name} for folder in folders for row in read_rows(folder / ROWS_FILE)]
+
+
+def write(out: Path, sources: list[Path] | None = None) -> Path:
+    """Rebuild ``out``'s counters.md and counters_claims.png from the rows of ``sources`` (default: ``out``
+    itself); returns the markdown path."""
+    rows = read_calls(sources or [Path(out)])
     plot(rows, Path(out) / PLOT)
     return atomic_write_text(Path(out) / MARKDOWN, markdown(rows) + f"\n![claims]({PLOT})\n")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(f"error: {' '.join(argv) or 'DIR'}: one folder expected; pass python -m bench.counter_claims DIR "
-              "(DIR holds counters.jsonl)", file=sys.stderr)
+    """``DIR``: the page of DIR's rows; ``DIR FOLDER...``: one page in DIR of the rows of each FOLDER under DIR."""
+    if not argv:
+        print("error: no folder given; pass python -m bench.counter_claims DIR [FOLDER ...] (DIR, or each FOLDER "
+              "under it, holds counters.jsonl)", file=sys.stderr)
         return 2
-    rows = Path(argv[0]) / ROWS_FILE
-    if not rows.exists():
-        print(f"error: {rows}: not found; write it with python -m bench.counters counters.out={argv[0]}",
-              file=sys.stderr)
-        return 2
-    print(write(Path(argv[0])))
+    out = Path(argv[0])
+    sources = [out / folder for folder in argv[1:]] or [out]
+    for rows in (source / ROWS_FILE for source in sources):
+        if not rows.exists():
+            print(f"error: {rows}: not found; write it with python -m bench.counters counters.out={rows.parent}",
+                  file=sys.stderr)
+            return 2
+    print(write(out, sources))
     return 0
 
 

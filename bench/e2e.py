@@ -61,7 +61,7 @@ from typing import Any
 from hydra import compose
 
 from bench import process_group
-from bench.records import RESULTS_FILE, append_row, read_rows
+from bench.records import RESULTS_FILE, append_row, code_label, read_rows
 from bench.worker import OOM_PATTERN, STDERR_TAIL
 from med_ddpm import cli
 from med_ddpm.errors import ConfigError
@@ -291,11 +291,6 @@ def failure(row: Mapping[str, Any]) -> str:
     return textwrap.shorten(f"{row['status']}: {why}{last}".replace("|", "/"), 240)
 
 
-def commit(row: Mapping[str, Any]) -> str:
-    """The row's code: its commit's first 7 digits, ``+dirty`` when the tree had uncommitted changes."""
-    return str(row.get("git_sha") or "?")[:7] + ("+dirty" if row.get("dirty") else "")
-
-
 def report(rows: list[Mapping[str, Any]]) -> str:
     """A markdown table of the e2e rows (one line each, a failure with its reason and the log's last line), then
     the imports of each row that has them, by package."""
@@ -304,7 +299,7 @@ def report(rows: list[Mapping[str, Any]]) -> str:
     for row in rows:
         cells = ["" if row.get(key) is None else str(row[key]) for key, _ in TABLE]
         status = row["status"] if row["status"] == "ok" else failure(row)
-        lines.append(f"| `{row['e2e']}` | {commit(row)} | " + " | ".join(cells) + f" | {status} |")
+        lines.append(f"| `{row['e2e']}` | {code_label(row)} | " + " | ".join(cells) + f" | {status} |")
     timed = [row for row in rows if row.get("import_s")]
     if timed:
         lines += ["", "Imports by package, seconds (`python -X importtime`; an import on another thread may count "

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from bench import counter_claims, counters, ncu
-from bench.records import append_row, read_rows
+from bench.records import append_row, code_label, read_rows
 from bench.sweep import job_spec
 from bench.worker import base_row
 from med_ddpm.errors import ConfigError
@@ -302,6 +302,26 @@ def test_claim_table_without_baseline_says_so(fake_ncu, tmp_path, capsys):
     assert counter_claims.main([str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err == (f"error: {tmp_path / 'missing' / 'counters.jsonl'}: not found; write it with "
                                        f"python -m bench.counters counters.out={tmp_path / 'missing'}\n")
+
+
+def test_a_page_of_several_calls_marks_the_factors_of_another_run(fake_ncu, tmp_path, capsys):
+    """One page from several folders (one device call each): a stack from another folder or run than its strict-FP32
+    row says so in its label and on the plot, and every row names its commit."""
+    base, same, other = (ok_row(fake_ncu, tmp_path, r) for r in ("[]", "[tf32]", "[amp_bf16]"))
+    base["run_id"] = same["run_id"] = "20261205T052152Z-75c57d"
+    other["run_id"] = "20261205T051339Z-d2f5de"
+    for folder, rows in (("first_call", (base, same)), ("second_call", (other,))):
+        for row in rows:
+            append_row(tmp_path / folder / counter_claims.ROWS_FILE, row)
+    assert counter_claims.main([str(tmp_path), "first_call", "second_call"]) == 0
+    text = (tmp_path / counter_claims.MARKDOWN).read_text()
+    sha = code_label(read_rows(tmp_path / "first_call" / counter_claims.ROWS_FILE)[0])  # append_row stamps the commit
+    assert "| tf32 | 1x | 1x | 1x |" in text and f"| amp_bf16 (another call: second_call) | 1x |" in text
+    assert text.count(f"| {sha} |") == 3 and "another call: first_call" not in text
+    same["run_id"] = "20261205T000000Z-000000"
+    assert counter_claims.other_run(same, base) == "another run: 20261205T000000Z-000000"  # one folder, two runs
+    assert counter_claims.main([str(tmp_path), "third_call"]) == 2
+    assert "third_call/counters.jsonl: not found" in capsys.readouterr().err
 
 
 def test_profiled_step_job_round_trips(fake_ncu, tmp_path):

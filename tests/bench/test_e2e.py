@@ -108,7 +108,7 @@ def test_the_report_has_a_line_per_row_and_names_failures():
              "message": "exit code 3; log tail:\n[...] data.cache=auto: memory\nerror: CUDA out of memory. Tried to "
                         "allocate 1.27 GiB. ...; lower train.batch_size or num_samples\n"}]
     lines = report(rows).splitlines()
-    assert len(lines) == 4 and "| 48d1474+dirty | warm |  | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
+    assert len(lines) == 4 and "| 48d1474d04cc-dirty | warm |  | 14.2 |" in lines[2] and "| 1.95 |" in lines[2] and lines[2].endswith("| ok |")
     assert lines[3].endswith("| oom: exit code 3: error: CUDA out of memory. Tried to allocate 1.27 GiB. ...; lower "
                              "train.batch_size or num_samples |")
     timed = report([{**rows[0], "import_s": {"torch": 4.25, "torch._inductor": 3.5, "other": 0.25}}]).splitlines()

@@ -303,7 +303,7 @@ def test_a_folder_of_end_to_end_rows_gets_their_page_not_empty_step_tables(tmp_p
     assert "every row is in [e2e.md](e2e.md)" in md and "| recipes |" not in md
     page = (tmp_path / "e2e.md").read_text()
     line = page.splitlines()[2]
-    assert line.startswith(f"| `scenario=e2e_sample masks=4 compile_cache=warm` | {e2e['git_sha'][:7]} | warm |")
+    assert line.startswith(f"| `scenario=e2e_sample masks=4 compile_cache=warm` | {e2e['git_sha'][:12]} | warm |")
     assert "| 46.9 |" in line
     for r in ROWS[:2]:
         append_row(tmp_path / "results.jsonl", r)
