@@ -316,7 +316,7 @@ def test_a_page_of_several_calls_marks_the_factors_of_another_run(fake_ncu, tmp_
     assert counter_claims.main([str(tmp_path), "first_call", "second_call"]) == 0
     text = (tmp_path / counter_claims.MARKDOWN).read_text()
     sha = code_label(read_rows(tmp_path / "first_call" / counter_claims.ROWS_FILE)[0])  # append_row stamps the commit
-    assert "| tf32 | 1x | 1x | 1x |" in text and f"| amp_bf16 (another call: second_call) | 1x |" in text
+    assert "| tf32 | 1x | 1x | 1x |" in text and "| amp_bf16 (another call: second_call) | 1x |" in text
     assert text.count(f"| {sha} |") == 3 and "another call: first_call" not in text
     same["run_id"] = "20261205T000000Z-000000"
     assert counter_claims.other_run(same, base) == "another run: 20261205T000000Z-000000"  # one folder, two runs
