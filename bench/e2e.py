@@ -183,7 +183,7 @@ def torch_compile_s(t: Mapping[str, Any]) -> float | None:
 
 def precompiled(t: Mapping[str, Any]) -> dict[str, Any]:
     """What the ahead-of-time compiled forward did (``loaded``, ``saved``, ``lazy``) and the seconds its file took
-    to load or to build and save (Dynamo's counters in ``torch_compile_s`` miss ``aot_compile``); None without
+    to load or to build and save (Dynamo's counters in ``torch_compile_s`` miss ``aot_compile``); both None without
     ``aot``."""
     report = t.get("precompiled") or {}
     return {"precompiled": report.get("status"), "precompile_s": report.get("seconds")}
