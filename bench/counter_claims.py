@@ -5,7 +5,8 @@ across GPU Architectures") reports that TF32 plus a channels-last 3-D layout "re
 100x, cut dynamic instructions by 100x, raise Tensor Core utilization 1.45-9.98x, and increase IPC by
 7 % on A100". For every workload (scenario, size, batch) in a ``counters.jsonl``, each stack is set
 against the strict-FP32 row of the same file, so of the same run (a page built from several folders, one device
-call each, marks a stack measured in another run than its baseline: that factor is not a same-run ratio):
+call each, marks a stack measured in another run than its baseline: that factor is not a same-run ratio; a stack
+profiled with another ``counters.kernel_filter`` than its baseline is marked too: its factors compare other kernels):
 
 * reduction factors = baseline / stack, for SM cycles and warp instructions summed over the step's kernels;
 * tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step runs its
@@ -104,9 +105,17 @@ def other_run(row: dict[str, Any], base: dict[str, Any]) -> str | None:
     return None
 
 
+def other_kernels(row: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """Which kernels ``row`` profiled when ``base`` was filtered otherwise (``counters.kernel_filter``): its factors
+    then set two different sets of kernels against each other. None for the same filter."""
+    if row.get("kernel_filter") == base.get("kernel_filter"):
+        return None
+    return f"kernel filter {row.get('kernel_filter') or 'none'}, the baseline's {base.get('kernel_filter') or 'none'}"
+
+
 def compared_label(row: dict[str, Any], base: dict[str, Any]) -> str:
-    where = other_run(row, base)
-    return f"{stack_label(row)} ({where})" if where else stack_label(row)
+    caveats = [c for c in (other_run(row, base), other_kernels(row, base)) if c]
+    return f"{stack_label(row)} ({'; '.join(caveats)})" if caveats else stack_label(row)
 
 
 def claims_table(stacks: list[dict[str, Any]]) -> list[str]:
@@ -199,7 +208,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.axhline(CLAIM_FACTOR, color="k", ls="--", lw=1, label="study claim on A100 (100x)")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_yscale("log")
-        ticks = [stack_label(r)[:40] + ("\n(another run)" if other_run(r, base) else "") for r in others]
+        ticks = [stack_label(r)[:40] + ("\n(another run)" if other_run(r, base) else "")
+                 + ("\n(other kernels)" if other_kernels(r, base) else "") for r in others]
         ax.set_xticks(list(xs), ticks, rotation=20, ha="right", fontsize=7)
         ax.set_ylabel("strict FP32 / stack")
         ax.set_title(workload_title(base), fontsize=9)

@@ -220,8 +220,20 @@ def profiled_step(job_path: Path) -> int:
 
 
 # ---------------------------------------------------------------------------- one job
+def kernel_regex(c: Mapping[str, Any]) -> str | None:
+    """``counters.kernel_filter`` as ncu's regex: the named filter of ``counters.kernel_filters``, else itself."""
+    value = c["kernel_filter"]
+    return (c.get("kernel_filters") or {}).get(value, value) if value else None
+
+
 def check_options(c: Mapping[str, Any]) -> None:
     """Bad ``counters.*`` values end the command with one line that names the option (SystemExit)."""
+    regex = kernel_regex(c)
+    try:
+        re.compile(regex or "")
+    except re.error as err:
+        raise ConfigError(f"counters.kernel_filter={c['kernel_filter']}: not a regular expression ({err}); pass a "
+                          f"regex on kernel names or one of {', '.join(c.get('kernel_filters') or {}) or 'none'}") from None
     unknown = sorted(set(c["metrics"]) - set(FIELDS))
     if unknown:
         raise ConfigError(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
@@ -276,7 +288,7 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
     cmd = ncu.profile_command(ncu_path, metrics, report, [sys.executable, "-m", "bench.counters", STEP_FLAG,
                                                           str(job_path)],
                               nvtx_range=c["range"], sections=c["sections"] if c["rules"] else (),
-                              kernel_filter=c["kernel_filter"], max_kernels=c["max_kernels"], replay=c["replay"])
+                              kernel_filter=kernel_regex(c), max_kernels=c["max_kernels"], replay=c["replay"])
     run = ncu.run(cmd, timeout_s, out / f"{name}.ncu.log")
     passes = ncu.replay_passes(run.log)
     fields: dict[str, Any] = {"ncu_command": cmd, "ncu_wall_s": run.wall_s, "replay": c["replay"],

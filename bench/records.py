@@ -9,7 +9,9 @@ Provenance is stamped on every row by :func:`append_row`, never typed by hand:
 - ``run_id``: one per launch (a ``bench.sweep`` multirun, a ``bench.ladder`` call, a
   ``bench.ddp`` run), shared by every row that launch writes. A results file may hold many
   runs; the report compares a row only with the baseline of its own run. A launcher that
-  spreads one run over processes passes the id on in ``$MED_DDPM_RUN_ID`` (set on first use).
+  spreads one run over processes passes the id on in ``$MED_DDPM_RUN_ID`` (set on first use); a
+  command started with it set keeps it, so a shell script of several commands (one device call)
+  is one run: ``export MED_DDPM_RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)-mine``.
 - ``git_sha`` (full) and ``dirty`` (code or configs differ from that commit): from the stamp file
   ``.provenance.json`` while no stamped file changed, else from git where the tree has a ``.git``.
   ``python -m bench.records stamp`` (``make stamp``) writes the stamp from git before the tree is
@@ -70,6 +72,7 @@ RESULTS_FILE = "results.jsonl"
 ROOT = Path(__file__).resolve().parents[1]
 STAMP_FILE = ROOT / ".provenance.json"
 RUN_ID_ENV = "MED_DDPM_RUN_ID"
+INHERITED_RUN_ID = os.environ.get(RUN_ID_ENV)  # given by whoever started this process: the run it belongs to
 CODE_SUFFIXES = (".py", ".yaml", ".toml", ".cfg")  # what decides a measurement; results and docs do not
 UNKNOWN = "unknown"
 IDENTITY_FIELDS = ("scenario", "model", "image_size", "batch_size", "grad_accum", "world_size", "sampler", "steps")
@@ -131,8 +134,9 @@ def run_id() -> str:
 
 
 def new_run() -> str:
-    """Start a new run id for this process and the processes it starts (one per sweep launch)."""
-    os.environ[RUN_ID_ENV] = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+    """Start a new run id for this process and the processes it starts (one per sweep launch), unless this
+    process was started inside a run (``$MED_DDPM_RUN_ID`` set by its launcher): it keeps that one."""
+    os.environ[RUN_ID_ENV] = INHERITED_RUN_ID or f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
     return os.environ[RUN_ID_ENV]
 
 

@@ -324,6 +324,18 @@ def test_a_page_of_several_calls_marks_the_factors_of_another_run(fake_ncu, tmp_
     assert "third_call/counters.jsonl: not found" in capsys.readouterr().err
 
 
+def test_a_stack_filtered_otherwise_than_its_baseline_is_marked(fake_ncu, tmp_path):
+    """Factors over two kernel filters set different kernels against each other: the label and the plot say so."""
+    base, stack = ok_row(fake_ncu, tmp_path, "[]"), ok_row(fake_ncu, tmp_path, "[tf32]")
+    base["kernel_filter"], stack["kernel_filter"] = COMMITTED_FILTER, "library"
+    for row in (base, stack):
+        append_row(tmp_path / counter_claims.ROWS_FILE, row)
+    text = counter_claims.write(tmp_path).read_text()
+    assert f"| tf32 (kernel filter library, the baseline's {COMMITTED_FILTER}) | 1x |" in text
+    stack["kernel_filter"] = COMMITTED_FILTER
+    assert counter_claims.other_kernels(stack, base) is None
+
+
 def test_profiled_step_job_round_trips(fake_ncu, tmp_path):
     j = job("bench=denoise_step", "counters.steps=2")
     counters.collect(j, tmp_path, fake_ncu, timeout_s=60)
@@ -340,6 +352,31 @@ def test_bad_counter_options_end_with_one_line():
     with pytest.raises(ConfigError, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
     counters.check_options(c)  # the shipped config is valid
+
+
+COMMITTED_FILTER = "xmma|implicit|gemm|conv|cutlass|cudnn|nchw|nhwc|Nhwc|Nchw|sm90|dgrad|wgrad|transpose"
+
+
+def test_library_filter_is_the_committed_filter_without_inductors_triton_kernels():
+    """On every kernel name ncu reported on the H200 (strict FP32 to the compiled fast stack), ``library`` selects
+    what the committed rows' filter selected, less inductor's Triton kernels that it also caught."""
+    names = (FIXTURES / "kernel_names.txt").read_text().split("\n")
+    library = re.compile(counters.kernel_regex(job("counters.kernel_filter=library")["config"]["counters"]))
+    committed = re.compile(COMMITTED_FILTER)
+    assert [n for n in names if library.search(n)] == [
+        n for n in names if committed.search(n) and not n.startswith("triton_")]
+    assert sum(1 for n in names if n.startswith("triton_") and committed.search(n)) >= 10
+    assert sum(1 for n in names if library.search(n)) >= 40
+
+
+def test_the_named_filter_reaches_ncu_and_the_row_keeps_its_name(fake_ncu, tmp_path):
+    j = job("counters.kernel_filter=library")
+    cmd = counters.collect(j, tmp_path, fake_ncu, timeout_s=60)["ncu_command"]
+    assert cmd[cmd.index("--kernel-name") + 1] == "regex:" + j["config"]["counters"]["kernel_filters"]["library"]
+    c = job(f"counters.kernel_filter='{COMMITTED_FILTER}'")["config"]["counters"]
+    assert counters.kernel_regex(c) == COMMITTED_FILTER and counters.kernel_regex({"kernel_filter": None}) is None
+    with pytest.raises(ConfigError, match=r"^counters.kernel_filter=\(conv: not a regular expression .*library$"):
+        counters.check_options({**c, "kernel_filter": "(conv"})
 
 
 def doc_commands() -> list[list[str]]:
