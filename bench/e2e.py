@@ -159,7 +159,8 @@ def import_seconds(log: str) -> dict[str, float]:
     Each top-level line is one import statement as it ran (at start-up, or later inside a function, as MONAI's),
     its cumulative time including the packages it pulled in first; so the groups add up to all the import time.
     A group is the module's root package, with torch's subpackages apart (``torch._inductor``, ``torch._dynamo``:
-    a compiled recipe's imports). An import on another thread may nest under the main thread's and count there.
+    a compiled recipe's imports). An import on another thread may nest under the main thread's and count there;
+    the sampling command's mask worker (another process, on the same stderr) adds its own, MONAI's among them.
     """
     totals: dict[str, float] = {}
     for line in log.splitlines():

@@ -102,20 +102,70 @@ def native_size(mask_path: Path, channel_mult: list[int]) -> list[int]:
                            "image_size", DataError)
 
 
-def conditions(cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str, channel_mult: list[int]):
-    """Yield (mask index, name, cond (C,D,H,W), reference NIfTI or None) for this rank's masks."""
-    if cfg.masks is None:
-        if size is None:  # an original checkpoint: phantoms of model.image_size
+class MaskConditions(torch.utils.data.Dataset):
+    """This rank's masks; item k is (mask index, name, cond (C, D, H, W), reference NIfTI or None).
+
+    Without ``masks``, two synthetic phantoms of the model size. A mask that cannot be read or preprocessed
+    comes back as :class:`Raised`, so that :func:`prepared_masks` raises its error as it was, one line naming
+    the file (a DataLoader would wrap it in the worker's traceback).
+    """
+
+    def __init__(self, cfg: DictConfig, variant: str, size: list[int] | None, resize_mode: str,
+                 channel_mult: list[int]) -> None:
+        self.variant, self.resize_mode, self.channel_mult = variant, resize_mode, list(channel_mult)
+        self.seg_labels, self.seed = cfg.data.get("seg_labels", "auto"), cfg.seed
+        if cfg.masks is None and size is None:  # an original checkpoint: phantoms of model.image_size
             size = check_divisible(f"model.image_size={list(cfg.model.image_size)} (the phantoms' size)",
                                    cfg.model.image_size, channel_mult, "image_size")
-        phantoms = SyntheticPhantoms(num_volumes=2, image_size=size, variant=variant, seed=cfg.seed)
-        for i in distributed.shard(range(len(phantoms))):
-            yield i, f"phantom_{i}", phantoms[i]["cond"], None
-        return
-    for i, path in distributed.shard(list(enumerate(list_masks(cfg.masks)))):
-        cond, nifti = load_condition(path, variant, size or native_size(path, channel_mult), resize_mode=resize_mode,
-                                     seg_labels=cfg.data.get("seg_labels", "auto"))
-        yield i, path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
+        self.size = size
+        self.masks = None if cfg.masks is None else list(distributed.shard(list(enumerate(list_masks(cfg.masks)))))
+        self.phantoms = None if cfg.masks is not None else list(distributed.shard(range(2)))
+
+    def __len__(self) -> int:
+        return len(self.phantoms if self.masks is None else self.masks)
+
+    def __getitem__(self, k: int) -> tuple[int, str, torch.Tensor, Any] | Raised:
+        entry = self.phantoms[k] if self.masks is None else self.masks[k]  # out of range: IndexError, as a sequence
+        try:
+            return self.phantom(entry) if self.masks is None else self.mask(*entry)
+        except Exception as err:  # handed to the main process, raised there as it was
+            return Raised(err)
+
+    def phantom(self, i: int) -> tuple[int, str, torch.Tensor, None]:
+        phantoms = SyntheticPhantoms(num_volumes=2, image_size=self.size, variant=self.variant, seed=self.seed)
+        return i, f"phantom_{i}", phantoms[i]["cond"], None
+
+    def mask(self, i: int, path: Path) -> tuple[int, str, torch.Tensor, Any]:
+        cond, nifti = load_condition(path, self.variant, self.size or native_size(path, self.channel_mult),
+                                     resize_mode=self.resize_mode, seg_labels=self.seg_labels)
+        return i, path.name.removesuffix(".gz").removesuffix(".nii"), cond, nifti
+
+
+@dataclass(frozen=True)
+class Raised:
+    """An error preparing one mask, carried from the worker process to the sampling loop."""
+
+    error: Exception
+
+
+def _as_is(item: T) -> T:
+    return item
+
+
+def prepared_masks(masks: torch.utils.data.Dataset, workers: int) -> Iterator[Any]:
+    """``masks``'s items in order, each read and preprocessed ahead by ``workers`` DataLoader processes (0: in this
+    process, when asked). The workers start now: MONAI's import and the first masks' reads run beside the recipes,
+    the compile cache's load and sampling, in another interpreter, so they do not take turns with them under one
+    interpreter lock. An item's error is raised when that item is due."""
+    items = iter(torch.utils.data.DataLoader(masks, batch_size=None, num_workers=workers, collate_fn=_as_is))
+
+    def stream() -> Iterator[Any]:
+        for item in items:
+            if isinstance(item, Raised):
+                raise item.error
+            yield item
+
+    return stream()
 
 
 def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_dir: Path, resize_mode: str) -> Path:
@@ -126,26 +176,6 @@ def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_di
     save_montage_png(x0, cond, out_dir / f"{name}.png", title=name)
     log.info("wrote %s", out)
     return out
-
-
-def prefetched(items: Iterator[T]) -> Iterator[T]:
-    """``items``, each next one prepared on a thread while the caller works on the current one. The first starts
-    now, not at the first ``next()``: the first mask is read and preprocessed (MONAI imported for it) while the
-    recipes and the compile cache load. An error preparing an item is raised where it is due."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-masks")
-    source, done = iter(items), object()
-    upcoming = pool.submit(next, source, done)
-
-    def drain() -> Iterator[T]:
-        nonlocal upcoming
-        try:
-            while (item := upcoming.result()) is not done:
-                upcoming = pool.submit(next, source, done)
-                yield item
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    return drain()
 
 
 class BackgroundWriter:
@@ -206,7 +236,7 @@ class SamplingJob:
     geometry: tuple[str, list[int] | None, str]  # (data variant, model image size, resize mode)
     out_dir: Path
     cache: CompileCache | None
-    masks: Iterator[tuple[int, str, torch.Tensor, Any]]  # (index, name, cond, NIfTI), prepared ahead on a thread
+    masks: Iterator[tuple[int, str, torch.Tensor, Any]]  # (index, name, cond, NIfTI), prepared ahead by a worker
 
 
 def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
@@ -218,7 +248,8 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     loaded.model.to(device)
     geometry = sampling_geometry(loaded, cfg)
-    masks = prefetched(conditions(cfg, *geometry, channel_mult=loaded.model.config["channel_mult"]))
+    masks = prepared_masks(MaskConditions(cfg, *geometry, channel_mult=loaded.model.config["channel_mult"]),
+                           cfg.mask_workers)
     clock.mark("checkpoint_ready")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
@@ -241,7 +272,7 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
     volume_s = []
     for index, name, cond, nifti in job.masks:
         if not volume_s:
-            clock.mark("first_mask_ready")  # the first mask in hand: read on a thread since the checkpoint loaded
+            clock.mark("first_mask_ready")  # the first mask in hand: read by a worker since the checkpoint loaded
         start = time.perf_counter()
         c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
         generator = distributed.keyed_generator(job.device, cfg.seed, index)
@@ -287,6 +318,7 @@ def check_options(cfg: DictConfig) -> None:
     """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on."""
     check_checkpoint_options(cfg)
     check_int(cfg, "num_samples", 1)
+    check_int(cfg, "mask_workers", 0)
     check_int(cfg, "seed", 0)
     check_sampler(cfg.sampler, cfg.diffusion, steps=False)  # the steps' range: the checkpoint's schedule's
     seg_labels = cfg.data.get("seg_labels", "auto")

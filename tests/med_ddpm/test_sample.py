@@ -1,14 +1,20 @@
-"""Sampling's write path: a bounded background writer whose errors reach the sampling thread."""
+"""Sampling's pipeline around the device: masks prepared ahead by a worker process, and a bounded background
+writer; errors of either reach the sampling loop as they were."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
-from med_ddpm.sample import BackgroundWriter, prefetched
+from med_ddpm.errors import DataError
+from med_ddpm.sample import BackgroundWriter, MaskConditions, Raised, prepared_masks
 
 
 def test_writes_run_behind_sampling_in_order_and_the_queue_is_bounded():
@@ -45,34 +51,53 @@ def test_a_write_error_surfaces_in_the_sampling_thread():
         last.close()
 
 
-def test_the_first_mask_is_prepared_before_anyone_asks_for_it():
-    """The first mask is read while the recipes and compile cache load, not after (on the H200 its read and MONAI's
-    import took 6 s after the model was ready)."""
-    prepared = []
+class Marked(torch.utils.data.Dataset):
+    """Items that leave a file naming the process that prepared them; item ``bad`` fails as a mask read would."""
 
-    def masks():
-        prepared.append("a")
-        yield "a"
+    def __init__(self, folder: Path, n: int, bad: int | None = None) -> None:
+        self.folder, self.n, self.bad = folder, n, bad
 
-    stream = prefetched(masks())
-    time.sleep(0.5)
-    assert prepared == ["a"]
-    assert list(stream) == ["a"]
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int):
+        (self.folder / str(k)).write_text(str(os.getpid()))
+        if k == self.bad:
+            return Raised(DataError(f"{k}.nii.gz: unreadable NIfTI mask"))
+        return k, torch.full((2,), float(k))
 
 
-def test_the_next_mask_is_prepared_while_this_one_samples():
-    prepared = []
+def prepared(folder: Path) -> dict[int, int]:
+    return {int(f.name): int(f.read_text()) for f in folder.iterdir()}
 
-    def masks():
-        for name in ("a", "b", "c"):
-            prepared.append(name)
-            yield name
-        raise ValueError("d.nii.gz: unreadable")
 
-    stream = prefetched(masks())
-    assert next(stream) == "a"
-    time.sleep(0.5)  # meanwhile the thread reads "b"
-    assert prepared == ["a", "b"]
-    assert list(zip(range(2), stream)) == [(0, "b"), (1, "c")]
-    with pytest.raises(ValueError, match="d.nii.gz"):
+def test_the_first_masks_are_prepared_by_another_process_before_anyone_asks(tmp_path):
+    """MONAI's import and the mask reads run in a worker process from the checkpoint's load on: on the H200, a thread
+    of the sampling process took turns with the recipes' imports under the interpreter lock."""
+    stream = prepared_masks(Marked(tmp_path, 3), workers=1)
+    deadline = time.monotonic() + 60
+    while 0 not in prepared(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prepared(tmp_path) and set(prepared(tmp_path).values()) != {os.getpid()}
+    assert [(k, x.tolist()) for k, x in stream] == [(0, [0.0, 0.0]), (1, [1.0, 1.0]), (2, [2.0, 2.0])]
+
+
+def test_a_mask_error_is_raised_as_it_was_when_its_turn_comes(tmp_path):
+    stream = prepared_masks(Marked(tmp_path, 4, bad=2), workers=1)
+    assert [k for k, _ in itertools.islice(stream, 2)] == [0, 1]
+    with pytest.raises(DataError, match=r"^2.nii.gz: unreadable NIfTI mask$"):
         next(stream)
+
+
+def test_without_workers_each_mask_is_read_here_when_asked(tmp_path):
+    stream = prepared_masks(Marked(tmp_path, 2), workers=0)
+    assert not prepared(tmp_path)
+    assert next(stream)[0] == 0 and prepared(tmp_path) == {0: os.getpid()}
+
+
+def test_mask_conditions_hand_back_a_broken_file_as_its_error(tmp_path):
+    broken = tmp_path / "broken.nii.gz"
+    broken.write_bytes(b"not a nifti")
+    cfg = OmegaConf.create({"masks": str(broken), "seed": 0, "data": {}, "model": {"image_size": [16, 16, 16]}})
+    (item,) = list(MaskConditions(cfg, "whole_head", [16, 16, 16], "crop_or_pad", [1, 2]))  # ends: a sequence
+    assert isinstance(item, Raised) and isinstance(item.error, DataError) and str(broken) in str(item.error)
