@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -131,9 +132,13 @@ class MaskConditions(torch.utils.data.Dataset):
         except Exception as err:  # handed to the main process, raised there as it was
             return Raised(err)
 
+    @functools.cached_property
+    def phantom_set(self) -> SyntheticPhantoms:
+        """Built in the worker, at its first phantom (generating both)."""
+        return SyntheticPhantoms(num_volumes=2, image_size=self.size, variant=self.variant, seed=self.seed)
+
     def phantom(self, i: int) -> tuple[int, str, torch.Tensor, None]:
-        phantoms = SyntheticPhantoms(num_volumes=2, image_size=self.size, variant=self.variant, seed=self.seed)
-        return i, f"phantom_{i}", phantoms[i]["cond"], None
+        return i, f"phantom_{i}", self.phantom_set[i]["cond"], None
 
     def mask(self, i: int, path: Path) -> tuple[int, str, torch.Tensor, Any]:
         cond, nifti = load_condition(path, self.variant, self.size or native_size(path, self.channel_mult),
