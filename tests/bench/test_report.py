@@ -157,15 +157,17 @@ def test_append_row_stamps_run_id_and_provenance(tmp_path, monkeypatch):
 def test_commands_started_inside_a_run_keep_its_id(tmp_path):
     """A shell script of several commands (one device call) exports one id: each command's launch keeps it, where a
     command started without one gets its own."""
-    def launch(env: dict[str, str]) -> str:
-        out = tmp_path / str(len(list(tmp_path.iterdir())))
-        subprocess.run([sys.executable, "-m", "bench.counters", "experiment=bench_smoke", f"counters.out={out}"],
-                       cwd=records.ROOT, env=env, check=True, capture_output=True)
-        return read_rows(out / "counters.jsonl")[0]["run_id"]
-
     clean = {k: v for k, v in os.environ.items() if k != records.RUN_ID_ENV}
-    assert launch({**clean, records.RUN_ID_ENV: "call-1"}) == launch({**clean, records.RUN_ID_ENV: "call-1"}) == "call-1"
-    assert launch(clean) != launch(clean)
+    subprocess.run([sys.executable, "-m", "bench.counters", "experiment=bench_smoke", f"counters.out={tmp_path}"],
+                   cwd=records.ROOT, env={**clean, records.RUN_ID_ENV: "call-1"}, check=True, capture_output=True)
+    assert read_rows(tmp_path / "counters.jsonl")[0]["run_id"] == "call-1"  # its launch's new_run() kept it
+
+    def launch(env: dict[str, str]) -> str:
+        code = "from bench import records; records.new_run(); print(records.new_run())"
+        return subprocess.run([sys.executable, "-c", code], cwd=records.ROOT, env=env, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    assert launch({**clean, records.RUN_ID_ENV: "call-1"}) == "call-1" and launch(clean) != launch(clean)
 
 
 def test_stamp_gives_provenance_without_git_and_sees_later_edits(tmp_path, monkeypatch):
