@@ -165,10 +165,14 @@ def prepared_masks(masks: torch.utils.data.Dataset, workers: int) -> Iterator[An
     items = iter(torch.utils.data.DataLoader(masks, batch_size=None, num_workers=workers, collate_fn=_as_is))
 
     def stream() -> Iterator[Any]:
-        for item in items:
-            if isinstance(item, Raised):
-                raise item.error
-            yield item
+        nonlocal items
+        try:
+            for item in items:
+                if isinstance(item, Raised):
+                    raise item.error
+                yield item
+        finally:
+            items = None  # the workers stop now, also when an error ends the stream early (a traceback keeps this frame)
 
     return stream()
 

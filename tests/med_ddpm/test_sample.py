@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from med_ddpm.errors import DataError
 from med_ddpm.sample import BackgroundWriter, MaskConditions, Raised, prepared_masks
+from med_ddpm.utils import atomic_write_text
 
 
 def test_writes_run_behind_sampling_in_order_and_the_queue_is_bounded():
@@ -61,14 +62,14 @@ class Marked(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, k: int):
-        (self.folder / str(k)).write_text(str(os.getpid()))
+        atomic_write_text(self.folder / str(k), str(os.getpid()))  # the test reads it while the worker goes on
         if k == self.bad:
             return Raised(DataError(f"{k}.nii.gz: unreadable NIfTI mask"))
         return k, torch.full((2,), float(k))
 
 
 def prepared(folder: Path) -> dict[int, int]:
-    return {int(f.name): int(f.read_text()) for f in folder.iterdir()}
+    return {int(f.name): int(f.read_text()) for f in folder.iterdir() if not f.name.startswith(".")}  # no temp file
 
 
 def test_the_first_masks_are_prepared_by_another_process_before_anyone_asks(tmp_path):
@@ -87,6 +88,8 @@ def test_a_mask_error_is_raised_as_it_was_when_its_turn_comes(tmp_path):
     assert [k for k, _ in itertools.islice(stream, 2)] == [0, 1]
     with pytest.raises(DataError, match=r"^2.nii.gz: unreadable NIfTI mask$"):
         next(stream)
+    with pytest.raises(ProcessLookupError):  # the error ended the stream: its worker was stopped and reaped
+        os.kill(prepared(tmp_path)[0], 0)
 
 
 def test_without_workers_each_mask_is_read_here_when_asked(tmp_path):
