@@ -57,6 +57,7 @@ from optim import RecipeStack
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+PHANTOM_MASKS = 2  # masks=null: masks of this many synthetic phantoms
 
 
 def list_masks(masks: str | None) -> list[Path]:
@@ -119,23 +120,23 @@ class MaskConditions(torch.utils.data.Dataset):
             size = check_divisible(f"model.image_size={list(cfg.model.image_size)} (the phantoms' size)",
                                    cfg.model.image_size, channel_mult, "image_size")
         self.size = size
-        self.masks = None if cfg.masks is None else list(distributed.shard(list(enumerate(list_masks(cfg.masks)))))
-        self.phantoms = None if cfg.masks is not None else list(distributed.shard(range(2)))
+        paths = [None] * PHANTOM_MASKS if cfg.masks is None else list_masks(cfg.masks)  # None: a phantom
+        self.entries: list[tuple[int, Path | None]] = list(distributed.shard(list(enumerate(paths))))
 
     def __len__(self) -> int:
-        return len(self.phantoms if self.masks is None else self.masks)
+        return len(self.entries)
 
     def __getitem__(self, k: int) -> tuple[int, str, torch.Tensor, Any] | Raised:
-        entry = self.phantoms[k] if self.masks is None else self.masks[k]  # out of range: IndexError, as a sequence
+        i, path = self.entries[k]  # out of range: IndexError, as a sequence
         try:
-            return self.phantom(entry) if self.masks is None else self.mask(*entry)
+            return self.phantom(i) if path is None else self.mask(i, path)
         except Exception as err:  # handed to the main process, raised there as it was
             return Raised(err)
 
     @functools.cached_property
     def phantom_set(self) -> SyntheticPhantoms:
         """Built in the worker, at its first phantom (generating both)."""
-        return SyntheticPhantoms(num_volumes=2, image_size=self.size, variant=self.variant, seed=self.seed)
+        return SyntheticPhantoms(num_volumes=PHANTOM_MASKS, image_size=self.size, variant=self.variant, seed=self.seed)
 
     def phantom(self, i: int) -> tuple[int, str, torch.Tensor, None]:
         return i, f"phantom_{i}", self.phantom_set[i]["cond"], None
