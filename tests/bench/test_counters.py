@@ -373,6 +373,7 @@ def test_the_named_filter_reaches_ncu_and_the_row_keeps_its_name(fake_ncu, tmp_p
     j = job("counters.kernel_filter=library")
     cmd = counters.collect(j, tmp_path, fake_ncu, timeout_s=60)["ncu_command"]
     assert cmd[cmd.index("--kernel-name") + 1] == "regex:" + j["config"]["counters"]["kernel_filters"]["library"]
+    assert counters.measure(j, tmp_path, timeout_s=60)["kernel_filter"] == "library"  # the row: the name, not the regex
     c = job(f"counters.kernel_filter='{COMMITTED_FILTER}'")["config"]["counters"]
     assert counters.kernel_regex(c) == COMMITTED_FILTER and counters.kernel_regex({"kernel_filter": None}) is None
     with pytest.raises(ConfigError, match=r"^counters.kernel_filter=\(conv: not a regular expression .*library$"):
