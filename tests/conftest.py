@@ -1,7 +1,13 @@
-"""Shared fixtures: paths to ../shared (CI has it beside the checkout) and tiny models."""
+"""Shared fixtures: paths to ../shared (CI has it beside the checkout) and tiny models.
+
+The suite runs on one CPU thread, here and in every command a test starts: on a 2-core box shared with other
+work, two OpenMP threads spin-wait for each other and a tiny model's step takes 5 to 40 times longer than on
+one thread; on an idle box the test-sized tensors gain little from a second thread.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +15,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+os.environ["OMP_NUM_THREADS"] = "1"  # the commands the tests start read it when torch loads
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +35,3 @@ def reference_dir(shared_dir: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module: two OpenMP threads on a loaded 2-core box spin-wait badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

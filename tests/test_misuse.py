@@ -399,14 +399,11 @@ def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
     """Ctrl-C during training: exit status 130 and ``interrupted``, not a KeyboardInterrupt traceback."""
     run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"
     with err.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "med_ddpm.train", "model=tiny", "device=cpu", "train.progress=false",
+        proc = subprocess.Popen([sys.executable, "-m", "med_ddpm.train", *BASE["train"], "+logger.log_every=1",
                                  "train.max_steps=100000", f"output_dir={run_dir}"], cwd=tmp_path, stderr=stderr,
                                 stdout=subprocess.DEVNULL, preexec_fn=_sigint_default,
                                 env={**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
-                                     "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1",
-                                     # one OpenMP thread: two spin-waiting ones per process on a loaded 2-core
-                                     # box slow training several-fold (half the CPU time in the kernel)
-                                     "OMP_NUM_THREADS": "1"})
+                                     "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
         try:
             deadline = time.monotonic() + 120
             while not (run_dir / "loss.jsonl").exists() and time.monotonic() < deadline:

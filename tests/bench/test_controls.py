@@ -15,8 +15,6 @@ from med_ddpm.errors import ConfigError
 from med_ddpm.model import UNet3D
 from med_ddpm.quality import gate_from_config, randomize_zero_init
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def net():
@@ -113,8 +111,6 @@ def test_quality_ladder_gates_fast_sample_exactly_as_shipped(tmp_path):
 def test_quality_ladder_needs_a_checkpoint():
     with pytest.raises(ConfigError, match="checkpoint=PATH"):
         list(quality_ladder(None))
-
-
 
 
 @pytest.mark.slow

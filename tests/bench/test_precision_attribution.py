@@ -22,12 +22,11 @@ from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
 from med_ddpm.quality import randomize_zero_init
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 @pytest.fixture(scope="module")
-def setup(one_thread):
+def setup():
     torch.manual_seed(0)
     model = randomize_zero_init(UNet3D(in_channels=3, out_channels=1, model_channels=32, channel_mult=(1, 2),
                                        attention_ds=(2,)).eval())

@@ -15,7 +15,7 @@ CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 @pytest.mark.slow
-def test_quality_model_card_from_a_tiny_run(tmp_path, one_thread):
+def test_quality_model_card_from_a_tiny_run(tmp_path):
     run = tmp_path / "run"
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=quality_model", "model.image_size=[16,16,16]", "recipe=[]",

@@ -13,16 +13,6 @@ from bench.scenarios import model_calls, prepared_step, run_scenario, volumes_pe
 from med_ddpm import train
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As bench.worker runs experiment=bench_smoke (bench.threads=1): two threads on a busy 2-core box are
-    several times slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def bench_cfg(tmp_path, *overrides: str) -> dict:
     return compose_job(["experiment=bench_smoke", "bench=train_step", *overrides], tmp_path)["config"]
 

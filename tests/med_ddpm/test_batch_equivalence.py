@@ -53,14 +53,14 @@ def max_relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> flo
     return max((x - y).abs().max().item() for x, y in zip(a, b)) / scale
 
 
-def test_batch_2_is_the_step_of_2_accumulated_micro_batches(accumulated, tmp_path, one_thread):
+def test_batch_2_is_the_step_of_2_accumulated_micro_batches(accumulated, tmp_path):
     loss, grads = step_gradients(tmp_path, 2, 1)
     assert loss == pytest.approx(accumulated[0], rel=RTOL)
     assert sum(int(g.count_nonzero()) for g in grads) > 0.9 * sum(g.numel() for g in grads)  # every layer learns
     assert max_relative_difference(accumulated[1], grads) < RTOL
 
 
-def test_dividing_the_mean_by_the_batch_size_breaks_it(accumulated, tmp_path, one_thread):
+def test_dividing_the_mean_by_the_batch_size_breaks_it(accumulated, tmp_path):
     _, grads = step_gradients(tmp_path, 2, 1, "train.divide_loss_by_batch_size=true")
     ratio = sum(g.abs().sum() for g in grads) / sum(g.abs().sum() for g in accumulated[1])
     assert ratio.item() == pytest.approx(0.5, rel=RTOL)

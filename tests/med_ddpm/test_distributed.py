@@ -83,6 +83,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(ddp_run, tmp_path):
     assert_same_state(single, ddp)
 
 
+@pytest.mark.slow  # a second torchrun launch; the default suite keeps the 2-rank run against one process
 def test_resume_with_another_world_size(ddp_run, tmp_path):
     fit(build(cfg_for("train", tmp_path, *COMMON, f"train.max_steps={STEPS // 2}", "train.batch_size=2")))
     log = torchrun("med_ddpm.train", tmp_path, *COMMON, f"train.max_steps={STEPS}", "train.batch_size=1",
@@ -91,6 +92,7 @@ def test_resume_with_another_world_size(ddp_run, tmp_path):
     assert_same_state(read_checkpoint(ddp_run), read_checkpoint(tmp_path / "checkpoints" / "last.pt"))
 
 
+@pytest.mark.slow  # a torchrun launch of the sampling command
 def test_two_rank_sampling_writes_each_mask_once(ddp_run, shared_dir, tmp_path):
     masks = shared_dir / "data" / "whole_head" / "mask"
     args = [f"checkpoint={ddp_run}", f"masks={masks}", "sampler=ddim", "sampler.steps=2"]

@@ -15,7 +15,6 @@ from med_ddpm.errors import DataError
 from med_ddpm.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,6 @@ def _value(metric: VolumeMetric, pred, target=None, **kw) -> float:
     return metric.compute()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def vols():
     g = torch.Generator().manual_seed(0)

@@ -26,11 +26,9 @@ SHAPE = (N, 1, 8, 8, 8)
 T = 4  # DDPM over a 4-step cosine schedule keeps each N = 32 trajectory near a second on CPU
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
-def setup(one_thread):
+def setup():
     torch.manual_seed(0)
     net = UNet3D(in_channels=3, out_channels=1, model_channels=32, channel_mult=(1, 2), attention_ds=(2,)).eval()
     randomize_zero_init(net)  # a fresh net predicts eps = 0: nothing to compare

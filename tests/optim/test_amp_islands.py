@@ -11,8 +11,6 @@ from med_ddpm.model import UNet3D
 from optim import RecipeConflictError
 from optim.amp import Amp
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def tiny() -> UNet3D:
     torch.manual_seed(0)
