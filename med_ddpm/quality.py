@@ -217,7 +217,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
 
     key = {"cfg": {k: cfg.get(k) for k in ("model", "diffusion", "seed")}, "n": n, "n_masks": q["n_masks"],
            "device": device.type, "checkpoint": _file_identity(checkpoint), "code": reference_code_digest()}
-    reference = _cached(q.get("cache_dir"), key, strict_reference)
+    reference = cached(q.get("cache_dir"), key, strict_reference)
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
     node = cfg.get("sampler") or {"name": "ddpm"}
     sampler = ddpm if other_net is not None else sampler_from_config(node, schedule)  # other_net: DDPM, as checked
@@ -306,7 +306,13 @@ def reference_code_digest() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _cached(cache_dir: str | None, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
+def reference_file(cache_dir: str | Path, key: Mapping[str, Any]) -> Path:
+    """Where the reference run of ``key`` is stored under ``cache_dir``: named by a hash of the key."""
+    digest = hashlib.sha256(json.dumps(json_safe(key), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"reference_{digest}.pt"
+
+
+def cached(cache_dir: str | None, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
     """``compute()``, stored under ``cache_dir`` by a hash of ``key`` and reused while it matches.
 
     The strict-FP32 reference (and its calibrated floors) depends only on the weights, schedule,
@@ -316,8 +322,7 @@ def _cached(cache_dir: str | None, key: Mapping[str, Any], compute: Callable[[],
     """
     if not cache_dir:
         return compute()
-    digest = hashlib.sha256(json.dumps(json_safe(key), sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"reference_{digest}.pt"
+    path = reference_file(cache_dir, key)
     if path.exists():
         return torch.load(path, weights_only=False)
     value = compute()

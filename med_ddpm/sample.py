@@ -50,6 +50,7 @@ from med_ddpm.errors import (
 from med_ddpm.phantoms import SyntheticPhantoms
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.timings import RunClock
+from med_ddpm.tuned_sampler import use_tuned
 from med_ddpm.utils import seed_everything
 from med_ddpm.volume_io import save_montage_png, save_volume_like
 from optim import RecipeStack
@@ -325,8 +326,11 @@ def run(cfg: DictConfig) -> list[Path]:
 
 
 def check_options(cfg: DictConfig) -> None:
-    """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on."""
+    """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on; ``tuned``: sample with the
+    checked grid of a ``sampler.yaml`` of med_ddpm.tune."""
     check_checkpoint_options(cfg)
+    if cfg.tuned is not None:
+        use_tuned(cfg)
     check_int(cfg, "num_samples", 1)
     check_int(cfg, "mask_workers", 0)
     check_int(cfg, "seed", 0)

@@ -213,29 +213,35 @@ def data_batches(cfg: DictConfig, size: Sequence[int], stack: RecipeStack, devic
         yield stack.prepare_input(x0), stack.prepare_input(cond)
 
 
+def stack_distances(cfg: DictConfig, model: torch.nn.Module, schedule: NoiseSchedule, size: Sequence[int],
+                    stack: RecipeStack, device: torch.device) -> np.ndarray:
+    """M of ``model`` (prepared by the recipe stack, in place) on the first ``cfg.n`` volumes of ``cfg.data``,
+    ``cfg.batch`` at a time, with the ε of noise seed ``cfg.seed``."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    with stack.session():
+        prepared = stack.prepare_model(model.to(device).eval())
+
+        def denoiser(inputs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            with stack.forward_context():
+                return prepared(inputs, t)
+
+        return denoised_distances(denoiser, schedule.to(device), data_batches(cfg, size, stack, device), generator,
+                                  progress=cfg.progress)
+
+
 def run(cfg: DictConfig, steps: Sequence[int]) -> dict[int, dict[str, object]]:
     """Estimate M on the data with the checkpoint's network inside the recipe stack, then search each K."""
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     size = search_geometry(cfg, loaded)
-    schedule = loaded.schedule.to(device)
-    T = schedule.num_train_timesteps
+    T = loaded.schedule.num_train_timesteps
     for k in steps:
         check_int_value("steps", k, 1, T, f" (the checkpoint's schedule has T = {T} training steps)")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    with stack.session():
-        model = stack.prepare_model(loaded.model.to(device).eval())
-
-        def denoiser(inputs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            with stack.forward_context():
-                return model(inputs, t)
-
-        distances = denoised_distances(denoiser, schedule, data_batches(cfg, size, stack, device), generator,
-                                       progress=cfg.progress)
-    return search(interval_costs(distances, log_snr_weights(schedule)), steps)
+    distances = stack_distances(cfg, loaded.model, loaded.schedule, size, stack, device)
+    return search(interval_costs(distances, log_snr_weights(loaded.schedule)), steps)
 
 
 def write_results(cfg: DictConfig, result: dict[int, dict[str, Any]], out_dir: Path) -> list[Path]:
