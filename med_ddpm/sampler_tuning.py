@@ -167,20 +167,24 @@ class Tuning:
 
     @property
     def recipe(self) -> dict[str, Any]:
-        node = self.cfg.get("recipe")
-        return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+        return recipe_node(self.cfg)
 
     def save_state(self) -> None:
         atomic_write_text(self.out_dir / STATE, json.dumps(json_safe(self.state), indent=1) + "\n")
 
 
+def recipe_node(cfg: DictConfig) -> dict[str, Any]:
+    """The recipe stack's config (``{}``: strict FP32; ``'~experiment'`` leaves no ``recipe`` key)."""
+    node = cfg.get("recipe")
+    return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+
 def run_key(cfg: DictConfig, sha256: str, size: Sequence[int], sampler: dict[str, Any]) -> dict[str, Any]:
     """What a run's results depend on: a rerun in the same output_dir must match it to reuse them."""
-    recipe = cfg.get("recipe")
     key = {"checkpoint_sha256": sha256, "weights": cfg.weights, "image_size": list(size),
            "data": describe_data(cfg.data), "search": {"n": cfg.search.n, "seed": cfg.search.seed},
            "masks": cfg.masks, "gate_seed": cfg.gate.seed, "sampler": sampler,
-           "recipe": OmegaConf.to_container(recipe, resolve=True) if recipe is not None else {},
+           "recipe": recipe_node(cfg),
            "quality": OmegaConf.to_container(cfg.quality, resolve=True), "torch": str(torch.__version__)}
     return json.loads(json.dumps(json_safe(key)))
 
@@ -219,15 +223,17 @@ def cond_hash(cond: torch.Tensor) -> str:
 
 
 def search_view(cfg: DictConfig) -> DictConfig:
-    """The options :func:`med_ddpm.step_search.stack_distances` reads, from the ``search`` node."""
-    return OmegaConf.create({"data": cfg.data, "n": cfg.search.n, "batch": cfg.search.batch, "seed": cfg.search.seed,
+    """The options :func:`med_ddpm.step_search.stack_distances` reads, from the ``search`` node; the data uncached,
+    so that only the ``search.n`` volumes the search uses are read."""
+    data = OmegaConf.merge(cfg.data, {"cache": "none"})
+    return OmegaConf.create({"data": data, "n": cfg.search.n, "batch": cfg.search.batch, "seed": cfg.search.seed,
                              "progress": cfg.progress})
 
 
 def search_masks(t: Tuning) -> list[str]:
     """Hashes of the masks of the search's volumes, read from the data once and kept in the state."""
     if "search_masks" not in t.state:
-        dataset, n = build_dataset(t.cfg.data, t.size), t.cfg.search.n
+        dataset, n = build_dataset(search_view(t.cfg).data, t.size), t.cfg.search.n
         if len(dataset) < n:
             more = "data.num_volumes=N" if t.cfg.data.name == "synthetic" else "a data.root with more cases"
             raise DataError(f"search.n={n}: {describe_data(t.cfg.data)} hold {len(dataset)} volume(s); pass "
@@ -317,10 +323,10 @@ def batched_run(model_fn, sampler, cond: torch.Tensor, t: Tuning, *, reference: 
                          joined["probe_inputs"], runs[0].sampler, runs[0].noise_seed)
 
 
-def reference_key(t: Tuning, mask_names: Sequence[str], cond: torch.Tensor) -> dict[str, Any]:
+def reference_key(t: Tuning, cond: torch.Tensor) -> dict[str, Any]:
+    """What the reference run depends on: the weights, the N masks (one hash a volume), the noise and the code."""
     return {"checkpoint_sha256": t.sha256, "weights": t.cfg.weights, "masks": [cond_hash(c) for c in cond],
-            "names": list(mask_names), "seed": t.cfg.gate.seed, "n": len(cond), "device": t.device.type,
-            "code": reference_code_digest()}
+            "seed": t.cfg.gate.seed, "device": t.device.type, "code": reference_code_digest()}
 
 
 def reference_run(t: Tuning, cond: torch.Tensor, key: dict[str, Any]) -> TrajectoryRun:
@@ -438,7 +444,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(t.device)
     cond, names, left_out = gate_masks(t)
-    key = reference_key(t, names, cond)
+    key = reference_key(t, cond)
     referenced = reference_file(Path(cfg.paths.reference_cache).expanduser(), key).exists()
     log.info(plan(t, "search" in t.state and (out_dir / DISTANCES).exists(), referenced, seconds_per_volume(t, cond)))
     costs = search_costs(t, stack)

@@ -79,7 +79,7 @@ def check_usable(record: Mapping[str, Any], path: str | Path, checkpoint: str, w
         reason = (record["gate"]["statistics"].get("reasons") or ["no reason recorded"])[0]
         raise ConfigError(f"tuned={path}: its gate verdict is {record['verdict']} at {record['calls']} model calls "
                           f"({reason}), so it is no sampler to use; tune with larger budgets: "
-                          f"{tune_command(checkpoint)} budgets=[{record['calls'] + 10},{2 * record['calls']}]")
+                          f"{tune_command(checkpoint)} budgets=[{2 * record['calls']},{3 * record['calls']}]")
     tuned_for = record["checkpoint"]
     if file_sha256(checkpoint) != tuned_for["sha256"] or weights != tuned_for["weights"]:
         raise ConfigError(f"tuned={path}: tuned for the {tuned_for['weights']} weights of {tuned_for['path']} "

@@ -78,11 +78,22 @@ def refusal(capsys, call, cfg) -> str:
 
 
 @pytest.fixture(scope="module")
-def passed(checkpoint, cache, tmp_path_factory) -> Path:
-    """A run whose first budget passes: the folder it wrote."""
-    out = tmp_path_factory.mktemp("passed")
-    tune.main(compose_tune(checkpoint, out, cache, *PASS))
-    return out
+def tuned(checkpoint, cache, tmp_path_factory) -> dict[str, Path]:
+    """The folders of two runs: one whose first budget passes, one where no budget passes."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("passed", "failed")}
+    for name, gate in (("passed", PASS), ("failed", FAIL)):
+        tune.main(compose_tune(checkpoint, folders[name], cache, *gate))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def passed(tuned) -> Path:
+    return tuned["passed"]
+
+
+@pytest.fixture(scope="module")
+def failed(tuned) -> Path:
+    return tuned["failed"]
 
 
 def test_stops_at_the_fewest_calls_that_pass_and_sample_uses_that_grid(passed, checkpoint, tmp_path, capsys):
@@ -102,14 +113,6 @@ def test_stops_at_the_fewest_calls_that_pass_and_sample_uses_that_grid(passed, c
     assert len(list(tmp_path.glob("*.nii.gz"))) == 2  # the two phantom masks
 
 
-@pytest.fixture(scope="module")
-def failed(checkpoint, cache, tmp_path_factory) -> Path:
-    """A run where no budget passes: the folder it wrote."""
-    out = tmp_path_factory.mktemp("failed")
-    tune.main(compose_tune(checkpoint, out, cache, *FAIL))
-    return out
-
-
 def test_a_failed_verdict_is_recorded_and_sample_refuses_it(failed, checkpoint, tmp_path, capsys):
     record = read_tuned(failed / "sampler.yaml")
     assert record["verdict"] == "fail" and [b["verdict"] for b in record["budgets"]] == ["fail", "fail"]
@@ -117,7 +120,7 @@ def test_a_failed_verdict_is_recorded_and_sample_refuses_it(failed, checkpoint, 
     line = refusal(capsys, sample.main, compose_sample(checkpoint, tmp_path, f"tuned={failed / 'sampler.yaml'}"))
     assert re.match(rf"^tuned=\S+: its gate verdict is fail at 3 model calls \(\w+=.* -> fail .*\), so it is no "
                     rf"sampler to use; tune with larger budgets: python -m med_ddpm\.tune checkpoint={checkpoint} "
-                    r"masks=MASKS output_dir=DIR budgets=\[13,6\]$", line), line
+                    r"masks=MASKS output_dir=DIR budgets=\[6,9\]$", line), line
     assert not list(tmp_path.glob("*.nii.gz"))
 
 
