@@ -207,6 +207,7 @@ def load_state(out_dir: Path, key: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare(cfg: DictConfig, out_dir: Path) -> Tuning:
+    """Check the options, load the checkpoint and the state of an earlier run of the same settings."""
     budgets = check_options(cfg)
     device = resolve_device(cfg.device)
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
@@ -307,9 +308,10 @@ def batch_noise(shape: Sequence[int], steps: int, seed: int, samples: range, dev
 
 def batched_run(model_fn, sampler, cond: torch.Tensor, t: Tuning, *, reference: TrajectoryRun | None = None,
                 forward_context=None) -> TrajectoryRun:
-    """:func:`med_ddpm.quality.run_trajectory` over ``gate.batch`` samples at a time, joined into one run."""
+    """:func:`med_ddpm.quality.run_trajectory` over ``gate.batch`` samples at a time, joined into one run; each
+    batch logged as it finishes."""
     shape, batch = (len(cond), t.loaded.model.out_channels, *cond.shape[2:]), t.cfg.gate.batch
-    steps = max(t.T, len(sampler.timesteps))
+    steps, begin = max(t.T, len(sampler.timesteps)), time.perf_counter()
     runs = []
     for start in range(0, len(cond), batch):
         part = range(start, min(start + batch, len(cond)))
@@ -317,6 +319,8 @@ def batched_run(model_fn, sampler, cond: torch.Tensor, t: Tuning, *, reference: 
         noise = batch_noise(shape, steps, t.cfg.gate.seed, part, t.device)
         runs.append(run_trajectory(model_fn, sampler, cond[part.start:part.stop].to(t.device), noise,
                                    probe_inputs=probes, forward_context=forward_context))
+        log.info("  %d model calls: %d of %d volumes sampled (%.0f s)", len(sampler.timesteps), part.stop, len(cond),
+                 time.perf_counter() - begin)
     joined = {key: {s: torch.cat([getattr(r, key)[s] for r in runs]) for s in runs[0].eps_probe}
               for key in ("eps_probe", "probe_inputs")}
     return TrajectoryRun(torch.cat([r.samples for r in runs]), torch.cat([r.cond for r in runs]), joined["eps_probe"],
@@ -431,7 +435,8 @@ def gate_budgets(t: Tuning, costs: np.ndarray, stack: RecipeStack, reference: Tr
                 result = json_safe(gate_budget(t, k, costs, model_fn, stack, reference, cond))
                 t.state["budgets"][str(k)] = result
                 t.save_state()
-            log.info("%d calls: %s (worst p %.3g)", k, result["verdict"], float(result["worst_p"]))
+            log.info("%d calls: %s (worst p %.3g; sampled in %s s, gated in %s s)", k, result["verdict"],
+                     float(result["worst_p"]), result["sampling_s"], result["gate_s"])
             results.append(result)
             if result["verdict"] == "pass":
                 break
