@@ -7,7 +7,7 @@ grid as written for one set of weights, so ``python -m med_ddpm.sample ... tuned
 file edited by hand, a verdict other than pass, and another checkpoint, each in one line saying how to tune.
 
 This module reads and writes the file only (``med_ddpm.sample`` imports it; the tuning is
-:mod:`med_ddpm.sampler_tuning`).
+:mod:`med_ddpm.samplers.tuning`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.utils import atomic_write_text, json_safe
 
-log = logging.getLogger("med_ddpm.tuned_sampler")
+log = logging.getLogger("med_ddpm.samplers.tuned")
 SEAL = "content_sha256: "
 
 

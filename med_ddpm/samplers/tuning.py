@@ -2,15 +2,15 @@
 
 For each budget K (model calls per sample), in increasing order:
 
-1. the Align-Your-Steps grid of K points (:mod:`med_ddpm.step_search`): the bound's matrix M is estimated once,
+1. the Align-Your-Steps grid of K points (:mod:`med_ddpm.samplers.search`): the bound's matrix M is estimated once,
    on the first ``search.n`` volumes of ``data`` with noise seed ``search.seed`` inside the recipe stack, and the
    exact best grid for each K is solved from it;
 2. the ``sampler`` on that grid, run with the recipe stack on N = ``quality.n_samples`` volumes (``quality.n_masks``
    masks x N / n_masks noise draws), ``gate.batch`` at a time;
-3. the gate (:class:`med_ddpm.gate.QualityGate`, ``quality`` thresholds) against the checkpoint's strict-FP32 DDPM
+3. the gate (:class:`med_ddpm.quality.gate.QualityGate`, ``quality`` thresholds) against the checkpoint's strict-FP32 DDPM
    over all T steps on the same masks and noise.
 
-It stops at the first K whose verdict is pass and writes ``sampler.yaml`` (:mod:`med_ddpm.tuned_sampler`),
+It stops at the first K whose verdict is pass and writes ``sampler.yaml`` (:mod:`med_ddpm.samplers.tuned`),
 ``report.md`` and ``calls_vs_quality.png``; with no K passing, ``sampler.yaml`` records the fail, which
 ``med_ddpm.sample`` refuses.
 
@@ -43,8 +43,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from med_ddpm.checkpoint import Loaded, load_checkpoint
-from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, build_dataset, load_condition, read_volume
-from med_ddpm.errors import (
+from med_ddpm.config_checks import (
     ConfigError,
     DataError,
     OutputError,
@@ -53,9 +52,11 @@ from med_ddpm.errors import (
     check_int,
     check_int_value,
 )
-from med_ddpm.gate import QualityGate, TrajectoryRun
-from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.quality import (
+from med_ddpm.data.datasets import build_dataset, load_condition, read_volume
+from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.data.phantoms import SyntheticPhantoms
+from med_ddpm.quality.gate import QualityGate, TrajectoryRun
+from med_ddpm.quality.probe import (
     FixedNoise,
     StepNoise,
     cached,
@@ -66,16 +67,9 @@ from med_ddpm.quality import (
 )
 from med_ddpm.sample import list_masks
 from med_ddpm.samplers import DDPMSampler, make_timesteps, sampler_from_config
-from med_ddpm.step_search import (
-    describe_data,
-    interval_costs,
-    kl_bound,
-    log_snr_weights,
-    optimal_grid,
-    search_geometry,
-    stack_distances,
-)
-from med_ddpm.tuned_sampler import file_sha256, write_tuned
+from med_ddpm.samplers.search import interval_costs, kl_bound, log_snr_weights, optimal_grid
+from med_ddpm.samplers.tuned import file_sha256, write_tuned
+from med_ddpm.step_search import describe_data, search_geometry, stack_distances
 from med_ddpm.utils import atomic_write, atomic_write_text, json_safe, resolve_device, save_figure
 from optim import RecipeStack
 
@@ -308,7 +302,7 @@ def batch_noise(shape: Sequence[int], steps: int, seed: int, samples: range, dev
 
 def batched_run(model_fn, sampler, cond: torch.Tensor, t: Tuning, *, reference: TrajectoryRun | None = None,
                 forward_context=None) -> TrajectoryRun:
-    """:func:`med_ddpm.quality.run_trajectory` over ``gate.batch`` samples at a time, joined into one run; each
+    """:func:`med_ddpm.quality.probe.run_trajectory` over ``gate.batch`` samples at a time, joined into one run; each
     batch logged as it finishes."""
     shape, batch = (len(cond), t.loaded.model.out_channels, *cond.shape[2:]), t.cfg.gate.batch
     steps, begin = max(t.T, len(sampler.timesteps)), time.perf_counter()
