@@ -18,7 +18,7 @@ TRAJ_ATOL = 1e-4
 TEMB_ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def two_threads():
     """The reference was made on two CPU threads. One thread sums in another order, and the first reverse step,
     which multiplies ε's round-off by 31.6 (the README), then lands 1.1e-4 from it, over the README's 1e-4."""
@@ -95,7 +95,7 @@ def test_model_weights_are_the_non_ema_entry(reference_dir, ref):
     assert (eps - ref["eps"]).abs().max() > 1.0  # README: differs by up to 1.96
 
 
-def test_first_ddpm_step_of_the_trajectory(ema, ref):
+def test_first_ddpm_step_of_the_trajectory(ema, ref, two_threads):
     """The chain's first step (t = 249) with the original's x_T and injected noise, at a 250th of the full
     chain's cost (the full chain is the slow test below)."""
     sampler = DDPMSampler(ema.schedule)
@@ -106,7 +106,7 @@ def test_first_ddpm_step_of_the_trajectory(ema, ref):
 
 
 @pytest.fixture(scope="module")
-def trajectory(ema, ref):
+def trajectory(ema, ref, two_threads):
     """The full 250-step chain with the original's injected noise; records x after t = 249, 125, 0."""
     seen = {}
 
