@@ -158,7 +158,7 @@ class Run:
         if row is None:
             return "no row"
         why = (row.get("reason") or row.get("message") or "").strip().splitlines()
-        return f"{row.get('status')}: {why[0][:160]}" if why else str(row.get("status"))
+        return f"{row.get('status')}: {why[0][:160].replace('|', '/')}" if why else str(row.get("status"))
 
 
 def choose_run(folder: Path, wanted: Collection[str] = ()) -> Run:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,8 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
     assert "| 2.500 s | 2.475 s – 2.550 s | 20 | 1.250 s | 1.00× | 0.187× | 4.50 | reference" in h200
     assert "pass (trained: within training noise, [training_verdict.json](../../bench/results/h200/quality/training/" in h200
     assert "`ddpm250.shipped` (DDPM, 250 steps, batch 1) | 4.751 s |" in h200 and "| 6.75 | not gated |" in h200
-    assert "pass" not in h100.split("## Step benchmarks")[1]
+    assert "pass" not in h100.split("## Step benchmarks")[1] and "this folder has no gate files (no `quality/`)" in h100
+    assert "read from the gate's files in [quality/](../../bench/results/h200/quality)" in h200
     assert "| `sampler25.strict_fp32` (the searched 25-call sampler) | unsupported: synthetic, no such row on this card |" in h100
     assert "| `sampler25.torch_defaults` (the searched 25-call sampler) | no row |" in h100
     # Side by side: a sentence per workload, from the numbers, and the counters under the study's claims.
@@ -75,6 +77,9 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
     assert "| study (A100, TF32 + channels-last 3-D) | | up to 100x | 100x | 1.45-9.98x | +7 % |" in gpus
     assert "| `shipped` | 20.02 ms | 10.0× | 4.81× | not gated | 18.48 ms | 10.7× | 4.85× | pass |" in gpus
     assert f"H100: run `{H100}` at commit `111111111111`; H200: run `{H200}`" in gpus
+    for page in (*docs.iterdir(), evidence_repo / "README.md"):  # committed, they pass tests/test_docs_links.py
+        for target in re.findall(r"\]\(([^)\s#]+)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
 def test_a_missing_headline_row_is_refused_in_one_line_naming_it(evidence_repo):
