@@ -151,6 +151,10 @@ class Run:
             return None
         return float(row[key]) * (1.0 if key.startswith("ms_") else 1000.0)
 
+    def status(self, job: str) -> str:
+        """The job's status (``ok``, ``unsupported``, ``oom``, ...), or ``no row``."""
+        return str((self.jobs.get(job) or {}).get("status") or "no row")
+
     def status_note(self, job: str) -> str:
         """What a table says for a job without an ``ok`` row: ``no row``, or its status and the first line of its
         message (an ``unsupported`` row's reason)."""

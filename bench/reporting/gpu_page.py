@@ -60,24 +60,23 @@ def verdict(run: Run, gates: Gates, job: str) -> Verdict:
     return found
 
 
-def time_cell(run: Run, gates: Gates, job: str, page_dir: Path | None = None) -> str:
-    """``job``'s time (``once`` when a single call was timed), its time per volume when a call has several, and its
-    verdict: the word alone for the README (``page_dir`` None), with what it rests on for a page."""
+def time_cell(run: Run, gates: Gates, job: str) -> str:
+    """A README cell: ``job``'s time (``once`` when a single call was timed), its time per volume when a call has
+    several, and its verdict's word; its status when it has no ``ok`` row."""
     row = run.ok(job)
     if row is None:
-        return run.status_note(job) if page_dir else str((run.row(job) or {}).get("status") or "no row")
+        return run.status(job)
     parts = [fmt_ms(run.ms(job)) + (" once" if row.get("iters") == 1 else "")]
     if int(row.get("batch_size") or 1) > 1:
         parts.append(f"{fmt_ms(run.ms_per_volume(job))} a volume")
-    found = verdict(run, gates, job)
-    return ", ".join([*parts, found.word if page_dir is None else found.text(page_dir)])
+    return ", ".join([*parts, verdict(run, gates, job).word])
 
 
 def e2e_cell(run: Run, job: str) -> str:
     """An end-to-end figure (``ms_per_volume`` with ``a volume``), or the job's status."""
     ms = run.e2e_ms(job)
     if ms is None:
-        return str((run.row(job) or {}).get("status") or "no row")
+        return run.status(job)
     return f"{fmt_ms(ms)} a volume" if E2E[job][0] == "ms_per_volume" else fmt_ms(ms)
 
 
