@@ -151,6 +151,12 @@ class Run:
             return None
         return float(row[key]) * (1.0 if key.startswith("ms_") else 1000.0)
 
+    def variant(self, job: str) -> str:
+        """`` (`fast_train_fp16`)`` when the GPU ran the job as its experiment's fp16 variant (the ladder's ``variant``
+        field: this GPU refuses the job's own stack), else ``""``."""
+        name = (self.jobs.get(job) or {}).get("variant")
+        return f" (`{name}`)" if name else ""
+
     def status(self, job: str) -> str:
         """The job's status (``ok``, ``unsupported``, ``oom``, ...), or ``no row``."""
         return str((self.jobs.get(job) or {}).get("status") or "no row")

@@ -66,7 +66,7 @@ def time_cell(run: Run, gates: Gates, job: str) -> str:
     row = run.ok(job)
     if row is None:
         return run.status(job)
-    parts = [fmt_ms(run.ms(job)) + (" once" if row.get("iters") == 1 else "")]
+    parts = [fmt_ms(run.ms(job)) + (" once" if row.get("iters") == 1 else "") + run.variant(job)]
     if int(row.get("batch_size") or 1) > 1:
         parts.append(f"{fmt_ms(run.ms_per_volume(job))} a volume")
     return ", ".join([*parts, verdict(run, gates, job).word])
@@ -105,7 +105,7 @@ def step_table(run: Run, gates: Gates, page_dir: Path) -> list[str]:
         for stack in STACKS:
             job = f"{workload}.{stack}"
             row = run.ok(job)
-            name = f"`{job}` ({what}{', batch ' + str(row['batch_size']) if row else ''})"
+            name = f"`{job}` ({what}{', batch ' + str(row['batch_size']) if row else ''}){run.variant(job)}"
             if row is None:
                 lines.append(f"| {name} | {run.status_note(job)} |" + " |" * 7)
                 continue

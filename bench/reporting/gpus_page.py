@@ -57,7 +57,7 @@ def stack_cells(run: Run, gates: Gates, job: str) -> list[str]:
     if ms is None:
         return [run.status_note(job), "", "", ""]
     once = " once" if (run.ok(job) or {}).get("iters") == 1 else ""
-    return [fmt_ms(ms) + once, *(fmt_x(run.speedup(job, b)) for b in BASELINES), verdict(run, gates, job).word]
+    return [fmt_ms(ms) + once + run.variant(job), *(fmt_x(run.speedup(job, b)) for b in BASELINES), verdict(run, gates, job).word]
 
 
 def differs(values: dict[str, float]) -> tuple[str, str, float] | None:

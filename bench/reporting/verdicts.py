@@ -6,7 +6,8 @@ preset=quality`` or ``preset=samplers``: a gated row carries ``quality.verdict``
 stack's numerics, measured on the quality model rather than on the timed network, so a timed row takes the verdict
 of a gate that ran the same stack:
 
-* a sample: a gated sample with the same recipes, recipe options, sampler and model calls;
+* a sample: a gated sample with the same recipes, recipe options (but :data:`SAME_NUMERICS`), sampler and model
+  calls;
 * a denoiser forward: a gated ``denoise_step`` with its recipes and options (:func:`bench.reporting.gpu_page.verdict`
   falls back to the same stack's sample on ``fast_sample``'s sampler, and says so);
 * a train step: a training verdict whose trained arm ran its recipes and options;
@@ -31,6 +32,9 @@ from bench.records import RESULTS_FILE, candidate_checkpoint, read_rows
 QUALITY_DIR = "quality"
 TRAINING_FILE = "training.json"  # beside training_verdict.json: each arm's command, so its recipes
 REFERENCE_SAMPLER = ("ddpm", 250)  # the gate's reference sampler: Med-DDPM's own
+# Options that change when a compiled forward is built (ahead of time, kept in a file), not what it computes: a
+# verdict on the stack without them holds for the stack with them.
+SAME_NUMERICS = ("compile.aot", "compile_cudagraphs.aot")
 
 Stack = tuple[tuple[str, ...], frozenset[str]]  # recipes in order, options
 
@@ -58,11 +62,13 @@ NOT_GATED = Verdict("not gated")
 
 def options(items: Iterable[str] | None) -> frozenset[str]:
     """Recipe options as ``name.key=value``, without quotes or a ``recipe.`` prefix: a row's
-    ``gather_upsample.forward="gather"`` and a command's ``recipe.gather_upsample.forward=gather`` are one option."""
+    ``gather_upsample.forward="gather"`` and a command's ``recipe.gather_upsample.forward=gather`` are one option.
+    Options of :data:`SAME_NUMERICS` are left out."""
     out = set()
     for item in items or ():
         key, _, value = str(item).removeprefix("recipe.").partition("=")
-        out.add(f"{key}={value.strip(chr(34) + chr(39))}")
+        if key not in SAME_NUMERICS:
+            out.add(f"{key}={value.strip(chr(34) + chr(39))}")
     return frozenset(out)
 
 

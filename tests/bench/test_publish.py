@@ -59,6 +59,9 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
     assert f"run `{H100}` at commit `111111111111`" in readme and "[every table](docs/results/h100.md)" in readme
     assert "| `forward` | 200.4 ms, reference | 96.31 ms, not gated | 20.02 ms, not gated | 10.0× | 4.81× |  |" in readme
     assert "`e2e.sample4_warm` 26.60 s; `e2e.sample4_cold` 63.40 s |" in readme
+    # The fixture's H100 ran the shipped train step as fast_train's fp16 variant (as a GPU without bf16 would).
+    assert "| 112.2 ms (`fast_train_fp16`), 56.10 ms a volume, not gated |" in readme
+    assert "| `train_step.shipped` (train step, batch 2) (`fast_train_fp16`) | 112.2 ms |" in h100
     # The H200's gate files give its verdicts; the H100 has none, so nothing there is gated.
     assert "| 18.48 ms | 18.30 ms – 18.85 ms | 20 | 18.48 ms | 10.7× | 4.85× | 2.02 | pass (as `fast_sampler.shipped`, N=32" in h200
     assert "| 2.500 s | 2.475 s – 2.550 s | 20 | 1.250 s | 1.00× | 0.187× | 4.50 | reference" in h200
