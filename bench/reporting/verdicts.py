@@ -56,7 +56,7 @@ class Verdict:
         return f"{self.word} ({', '.join(notes)})" if notes else self.word
 
 
-REFERENCE = Verdict("reference", "what the gate compares against")
+REFERENCE = Verdict("reference")  # strict FP32: what the gate compares against
 NOT_GATED = Verdict("not gated")
 
 

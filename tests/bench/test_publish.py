@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose
 
 from bench.reporting.evidence import fmt_ms, fmt_x, sig
-from bench.reporting.publish import publish
+from bench.reporting.publish import from_config, publish
+from med_ddpm import cli
 from med_ddpm.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,8 +141,10 @@ def test_a_readme_without_markers_is_refused_and_nothing_is_written(evidence_rep
 
 
 def test_dir_publishes_that_gpu_page_alone(evidence_repo):
-    proc = run_report("dir=bench/results/h200", "publish=true", cwd=evidence_repo)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [f"bench/results/h200: run `{H200}` at commit `222222222222`, the newest "
-                                        "complete run", "wrote docs/results/h200.md"]
+    """``dir=FOLDER publish=true``, composed from configs/report.yaml as the command composes it."""
+    with cli.configs():
+        cfg = compose("report", overrides=[f"dir={evidence_repo}/bench/results/h200", "publish=true",
+                                           f"docs={evidence_repo}/docs/results"])
+    assert from_config(cfg) == [f"{evidence_repo}/bench/results/h200: run `{H200}` at commit `222222222222`, the "
+                                f"newest complete run", f"wrote {evidence_repo}/docs/results/h200.md"]
     assert sorted(p.name for p in (evidence_repo / "docs" / "results").iterdir()) == ["h200.md"]
