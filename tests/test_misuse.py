@@ -33,10 +33,10 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bench import floor, micro, precision_attribution, sweep
-from bench.scenarios import UnsupportedStack, prepared_parts
+from bench.core.scenarios import UnsupportedStack, prepared_parts
 from med_ddpm import cli, train
 from med_ddpm import utils as med_utils
-from med_ddpm.phantoms import write_phantom_niftis
+from med_ddpm.data.phantoms import write_phantom_niftis
 
 sample = importlib.import_module("med_ddpm.sample")  # the command; med_ddpm.sample is the API function
 evaluate = importlib.import_module("med_ddpm.evaluate")
@@ -372,7 +372,7 @@ def test_running_out_of_gpu_memory_is_one_line_with_the_figures_and_exit_3(capsy
 
 
 def test_a_bug_inside_build_keeps_its_type_and_a_config_error_names_the_node():
-    from med_ddpm.errors import ConfigError, as_config_error
+    from med_ddpm.config_checks import ConfigError, as_config_error
 
     with pytest.raises(TypeError, match="^a bug$"), as_config_error("options", "fix"):
         raise TypeError("a bug")

@@ -6,6 +6,18 @@ folder's results.jsonl may still hold several runs (an earlier one, one cut shor
 shows exactly one, so that every ratio on it divides two times of one run: the run ``run=`` names, else the newest
 complete run (the last to start of those with every headline row ``ok`` or ``unsupported``). The folder's other
 runs are named on the page, never mixed in.
+
+The counters rows are set against the seed study's claims (ICPE 2026, "Performance Analysis and Optimization of 3D
+Generative Diffusion Models across GPU Architectures": TF32 plus a channels-last 3-D layout "reduce SM cycles by up
+to 100x, cut dynamic instructions by 100x, raise Tensor Core utilization 1.45-9.98x, and increase IPC by 7 % on
+A100"), each stack against the strict-FP32 row of the same workload and run (:func:`compare`):
+
+* reduction factors = baseline / stack, for kernel time, SM cycles and warp instructions summed over the step's
+  kernels;
+* tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step runs its
+  convolutions on the FMA pipe: under :data:`MIN_TENSOR_PCT` the baseline gives no ratio, only the stack's own
+  percentage, since a ratio over a rounding-level baseline says nothing);
+* IPC change = stack / baseline - 1.
 """
 
 from __future__ import annotations
@@ -16,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.records import RESULTS_FILE, code_label, read_results
-from med_ddpm.errors import ConfigError, DataError
+from bench.core.records import RESULTS_FILE, code_label, read_results
+from med_ddpm.config_checks import ConfigError, DataError
 
 WORKLOADS = {"forward": "denoiser forward", "train_step": "train step", "ddpm250": "DDPM, 250 steps",
              "fast_sampler": "`fast_sample`'s own sampler", "sampler25": "the searched 25-call sampler"}
@@ -38,6 +50,12 @@ COUNTERS_BASE = "counters.strict_fp32"
 COUNTERS = ("counters.tf32_channels_last_3d", "counters.shipped")
 SETTLED = ("ok", "unsupported")  # a headline row in either state is there: measured, or the GPU cannot make it
 LADDER = "python -m bench.ladder preset=evidence out={folder}"
+STUDY = {"label": "study (A100, TF32 + channels-last 3-D)", "sm_cycles": "up to 100x", "inst": "100x",
+         "tensor": "1.45-9.98x", "ipc": "+7 %"}
+CLAIM_FACTOR = 100.0  # the study's SM-cycle and instruction reduction, drawn as a line on the plot
+MIN_TENSOR_PCT = 0.1  # tensor-pipe use (%) under which a baseline gives no ratio
+COUNTER_COLUMNS = ("kernel time reduction", "SM cycles reduction", "instruction reduction", "tensor-pipe use",
+                   "IPC change")
 
 
 def sig(value: float, digits: int) -> str:
@@ -203,3 +221,35 @@ def runs_note(run: Run) -> str:
     if run.others:
         note += f"; not shown: the folder's other run{'s' if len(run.others) > 1 else ''} " + ", ".join(run.others)
     return note
+
+
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def compare(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """The study's four quantities (and kernel time) of ``row`` against the strict-FP32 ``base``."""
+    a, b = row["counters"]["overall"], base["counters"]["overall"]
+    ipc = _ratio(a["ipc"], b["ipc"])
+    return {"time": _ratio(b["duration_ns"], a["duration_ns"]), "sm_cycles": _ratio(b["sm_cycles"], a["sm_cycles"]),
+            "inst": _ratio(b["inst_executed"], a["inst_executed"]),
+            "tensor": _ratio(a["tensor_pipe_pct"], b["tensor_pipe_pct"]) if (b["tensor_pipe_pct"] or 0) >= MIN_TENSOR_PCT
+            else None, "tensor_pct": a["tensor_pipe_pct"],
+            "ipc": None if ipc is None else ipc - 1}
+
+
+def counter_cells(base: dict[str, Any] | None, row: dict[str, Any] | None) -> list[str]:
+    """A counters row's factors against the strict-FP32 row (:func:`compare`), as :data:`COUNTER_COLUMNS` cells."""
+    if base is None or row is None:
+        return [""] * len(COUNTER_COLUMNS)
+    c = compare(row, base)
+    pct = "" if c["tensor_pct"] is None else f"{c['tensor_pct']:.2f} %"
+    tensor = f"{fmt_x(c['tensor'])} ({pct})" if c["tensor"] is not None else pct
+    ipc = "" if c["ipc"] is None else f"{c['ipc']:+.1%}"
+    return [fmt_x(c["time"]), fmt_x(c["sm_cycles"]), fmt_x(c["inst"]), tensor, ipc]
+
+
+def study_line() -> str:
+    return f"| {STUDY['label']} | | {STUDY['sm_cycles']} | {STUDY['inst']} | {STUDY['tensor']} | {STUDY['ipc']} |"

@@ -8,7 +8,7 @@ of a gate that ran the same stack:
 
 * a sample: a gated sample with the same recipes, recipe options (but :data:`SAME_NUMERICS`), sampler and model
   calls;
-* a denoiser forward: a gated ``denoise_step`` with its recipes and options (:func:`bench.reporting.gpu_page.verdict`
+* a denoiser forward: a gated ``denoise_step`` with its recipes and options (:func:`bench.reporting.pages.verdict`
   falls back to the same stack's sample on ``fast_sample``'s sampler, and says so);
 * a train step: a training verdict whose trained arm ran its recipes and options;
 * strict FP32 on a step or on DDPM-250 is what the gate compares against: ``reference``.
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.quality_training import VERDICT_FILE
-from bench.records import RESULTS_FILE, candidate_checkpoint, read_rows
+from bench.core.records import RESULTS_FILE, candidate_checkpoint, read_rows
+from bench.quality.training_report import VERDICT_FILE
 
 QUALITY_DIR = "quality"
 TRAINING_FILE = "training.json"  # beside training_verdict.json: each arm's command, so its recipes

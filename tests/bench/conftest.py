@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reporting.publish import BEGIN, END
+from bench.reporting.pages import BEGIN, END
 
 EVIDENCE = Path(__file__).parent / "fixtures" / "evidence"  # one synthetic run per GPU, every row of the contract
 

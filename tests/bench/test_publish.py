@@ -15,9 +15,9 @@ import pytest
 from hydra import compose
 
 from bench.reporting.evidence import fmt_ms, fmt_x, sig
-from bench.reporting.publish import from_config, publish
+from bench.reporting.pages import from_config, publish
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError, DataError
+from med_ddpm.config_checks import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[2]
 H100, H200 = "20260101T000000Z-synth1", "20260102T000000Z-synth2"  # the fixture's run ids

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reporting.publish import BEGIN, END, publish
+from bench.reporting.pages import BEGIN, END, publish
 
 ROOT = Path(__file__).resolve().parents[2]
 README_LIMIT = 8000  # bytes: the README stays a page of usage, the tables live in docs/results/

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from med_ddpm.errors import DataError, check_one_of
+from med_ddpm.config_checks import DataError, check_one_of
 
 BRATS_LAYOUTS = ("auto", "per_case", "per_modality")
 BRATS_MODALITIES = ("t1", "t1ce", "t2", "flair")  # target channel order of the original
@@ -66,7 +66,7 @@ def _nifti_index(folder: Path) -> dict[str, Path]:
     return index
 
 
-# What to pass where a folder does not hold its layout: the refusals of this module and of med_ddpm.data end in it.
+# What to pass where a folder does not hold its layout: the refusals of this module and of med_ddpm.data.datasets end in it.
 WHOLE_HEAD_FIX = "pass data.root=<a folder with image/*.nii.gz and mask/*.nii.gz>, the whole-head layout"
 BRATS_FIX = ("pass data.root=<a folder of BraTS cases>, per_case <case>/<case>_{t1,t1ce,t2,flair,seg}.nii.gz or "
              "per_modality {t1,t1ce,t2,flair,seg}/<case>_<modality>.nii.gz (data=whole_head for image/ and mask/)")

@@ -14,7 +14,7 @@ Provenance is stamped on every row by :func:`append_row`, never typed by hand:
   is one run: ``export MED_DDPM_RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)-mine``.
 - ``git_sha`` (full) and ``dirty`` (code or configs differ from that commit): from the stamp file
   ``.provenance.json`` while no stamped file changed, else from git where the tree has a ``.git``.
-  ``python -m bench.records stamp`` (``make stamp``) writes the stamp from git before the tree is
+  ``python -m bench.stamp`` (``make stamp``) writes the stamp from git before the tree is
   copied to another machine (carry it along: it is git-ignored); a copy may hold no ``.git`` or a
   stale one. The stamp lists a hash of every code and config file, so a file edited after
   stamping marks the row dirty. With neither, ``git_sha`` is ``unknown`` and the report leaves
@@ -58,18 +58,17 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from med_ddpm.errors import DataError
+from med_ddpm.config_checks import DataError
 from med_ddpm.utils import append_line, atomic_write_text
 
 STATUSES = ("ok", "oom", "nan", "unsupported", "error")
 RESULTS_FILE = "results.jsonl"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STAMP_FILE = ROOT / ".provenance.json"
 RUN_ID_ENV = "MED_DDPM_RUN_ID"
 INHERITED_RUN_ID = os.environ.get(RUN_ID_ENV)  # given by whoever started this process: the run it belongs to
@@ -253,18 +252,3 @@ def missing_baselines(rows: list[dict[str, Any]], run: str | None = None) -> lis
         if key not in have and key not in need and row.get("config") is not None:
             need[key] = row
     return list(need.values())
-
-
-def main(argv: list[str]) -> int:
-    """``python -m bench.records stamp``: record git's commit for a copy of the tree without ``.git``."""
-    if argv != ["stamp"]:
-        print("usage: python -m bench.records stamp", file=sys.stderr)
-        return 2
-    stamp = write_stamp()
-    print(f"{STAMP_FILE.name}: {stamp['git_sha'][:12]}{' (dirty)' if stamp['dirty'] else ''}, "
-          f"{len(stamp['files'])} files")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

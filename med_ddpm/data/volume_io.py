@@ -1,7 +1,7 @@
 """Writing model-space volumes back to NIfTI, and PNG montages for a quick look.
 
 Model tensors are (C, D, H, W) with model[c, d, h, w] = nifti[w, h, d, c] (Med-DDPM's axis convention, see
-``med_ddpm.data``). Generated volumes go back to NIfTI axis order and carry the conditioning mask's affine
+``med_ddpm.data.datasets``). Generated volumes go back to NIfTI axis order and carry the conditioning mask's affine
 and header, so they overlay the mask in any viewer, exactly as the original sampling script does.
 """
 
@@ -16,7 +16,7 @@ import nibabel as nib
 import numpy as np
 import torch
 
-from med_ddpm.errors import DataError
+from med_ddpm.config_checks import DataError
 from med_ddpm.utils import atomic_write, save_figure
 
 MODEL_TO_NIFTI_AXES = (3, 2, 1, 0)  # (C, D, H, W) = (C, k, j, i) -> (i, j, k, C)

@@ -17,7 +17,7 @@ Two families of paired metrics:
 * structural metrics (3-D SSIM, 3-D MS-SSIM), whole volume.
 
 :func:`frechet_distance` is FID's distance between feature sets. The set comparisons with their
-permutation nulls (KID, MMD, histogram W1, diversity gap) are in :mod:`med_ddpm.stats`.
+permutation nulls (KID, MMD, histogram W1, diversity gap) are in :mod:`med_ddpm.quality.stats`.
 """
 
 from __future__ import annotations

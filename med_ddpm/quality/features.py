@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from med_ddpm.errors import CheckpointError
+from med_ddpm.config_checks import CheckpointError
 
 MEDICALNET_DEPTHS = (10, 18, 34, 50, 101, 152, 200)
 

@@ -6,7 +6,7 @@ Four kinds of check (``configs/quality/default.yaml``):
   T−1, every one of the N samples): the per-sample least-squares slope of candidate ε on reference
   ε (a scale error ε·(1+δ) gives slope 1+δ) and the per-sample mean error (an offset). Also the
   per-sample mean error of the paired final samples. Judged by effect size *and* significance:
-  the mean deviation over samples, its sign-flip p-value (:func:`med_ddpm.stats.bias_test`);
+  the mean deviation over samples, its sign-flip p-value (:func:`med_ddpm.quality.stats.bias_test`);
   fail when it exceeds ``fail`` and p < ``alpha.bias``, warn above ``pass``. Rounding noise
   has no preferred sign, so it does not trip these however large it is.
 * ``limit``: a lower-is-better magnitude against fixed limits (``pass``, ``warn``): the random part
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from med_ddpm.features import FeatureExtractor, RandomConv3dFeatures
-from med_ddpm.metrics import MSSSIM, PSNR, SSIM, MaxAbsError, frechet_distance, region_mask
-from med_ddpm.stats import (
+from med_ddpm.quality.features import FeatureExtractor, RandomConv3dFeatures
+from med_ddpm.quality.metrics import MSSSIM, PSNR, SSIM, MaxAbsError, frechet_distance, region_mask
+from med_ddpm.quality.stats import (
     bias_test,
     histogram_w1,
     intensity_histograms,

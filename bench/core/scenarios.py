@@ -13,7 +13,7 @@ Each builder returns a zero-argument ``step()`` that runs what ``med_ddpm.train`
 * ``full_sample``  the whole reverse chain through :func:`med_ddpm.samplers.sample`.
 
 :func:`run_scenario` wraps a builder in the recipe stack's session, times it
-(:mod:`bench.timing`), and returns the measurement fields of a results row. It raises
+(:mod:`bench.core.timing`), and returns the measurement fields of a results row. It raises
 :class:`UnsupportedStack` / :class:`NonFiniteOutput` so the worker can turn them into rows.
 
 Example:
@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from bench.timing import (
+from bench.core.timing import (
     achieved_tflops,
     active_precision,
     count_flops,
@@ -48,7 +48,7 @@ from bench.timing import (
 )
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D, build_model
-from med_ddpm.quality import randomize_zero_init
+from med_ddpm.quality.probe import randomize_zero_init
 from med_ddpm.samplers import sample, sampler_from_config
 from med_ddpm.train import TrainState, new_ema, train_step
 from med_ddpm.utils import seed_everything

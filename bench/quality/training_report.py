@@ -1,6 +1,6 @@
 """``training.md``: a training-stack folder's verdict as tables, rendered from its files, nothing retyped.
 
-``bench.ladder preset=quality_training`` (:mod:`bench.quality_training`) writes ``training.json`` (each arm's
+``bench.ladder preset=quality_training`` (:mod:`bench.quality.training`) writes ``training.json`` (each arm's
 command, timings and starts), ``loss_curves.json`` and ``training_verdict.json`` into its ``out``. This renders
 them as one page, each part with the commit of the code that wrote it:
 
@@ -10,23 +10,29 @@ them as one page, each part with the commit of the code that wrote it:
 * the paired and ε checks between the trained models, reported, not deciding.
 
 The preset writes it after the verdict; ``python -m bench.report dir=DIR`` writes it for any folder that holds
-``training_verdict.json``. This module is no command: ``python -m bench.training_report`` says so and points there.
+``training_verdict.json``.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from bench.quality_training import NOISE, VERDICT_FILE, arm_label
-from bench.records import code_label
-from med_ddpm.cli import EXIT_USER_ERROR
+from bench.core.records import code_label
 from med_ddpm.utils import atomic_write_text
 
 TRAINING_MD = "training.md"
+VERDICT_FILE = "training_verdict.json"
+REFERENCE = "fp32"
+RESEED = "fp32_reseed"  # strict FP32 with the next seed: what retraining alone changes
+NOISE = "training_noise"  # the row that gates RESEED against REFERENCE
 PAIRS = {"stack": "stack vs FP32", NOISE: "FP32 reseeded vs FP32"}  # the verdict's row names, as the tables say them
+
+
+def arm_label(arm: str) -> str:
+    return {REFERENCE: "strict FP32 (recipe=[])", RESEED: "strict FP32, next seed (unpaired)"}.get(
+        arm, f"experiment={arm}'s stack")
 
 
 def _num(value: Any, spec: str = ".3g") -> str:
@@ -40,7 +46,7 @@ def _num(value: Any, spec: str = ".3g") -> str:
 
 
 def _code(record: dict[str, Any] | None) -> str:
-    """The writer's commit (:func:`bench.records.code_label`), or says it was not recorded."""
+    """The writer's commit (:func:`bench.core.records.code_label`), or says it was not recorded."""
     return f"`{code_label(record)}`" if (record or {}).get("git_sha") else "not recorded"
 
 
@@ -109,14 +115,3 @@ def write_training_report(folder: Path) -> Path | None:
     """Write ``training.md`` into ``folder`` when it holds a training verdict; its path, else None."""
     page = training_markdown(folder)
     return None if page is None else atomic_write_text(folder / TRAINING_MD, page)
-
-
-def main() -> int:
-    """``python -m bench.training_report``: not a command; one line names the one that writes the page."""
-    print(f"error: bench.training_report: not a command; run python -m bench.report dir=<the training folder>, which "
-          f"writes {TRAINING_MD} beside report.md", file=sys.stderr)
-    return EXIT_USER_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,7 +63,7 @@ def _option(cfg: DictConfig, key: str) -> tuple[str, Any]:
     return option_key(cfg, key), OmegaConf.select(cfg, key, throw_on_missing=False)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -75,7 +75,7 @@ def check_int(cfg: DictConfig, key: str, low: int, high: int | None = None, mean
 def check_int_value(key: str, value: Any, low: int, high: int | None = None, meaning: str = "") -> int:
     """``value`` (option ``key``) must be an integer in [low, high]; ``meaning`` says what a special value does."""
     span = f">= {low}" if high is None else f"in [{low}, {high}]"
-    if not _is_int(value) or value < low or (high is not None and value > high):
+    if not is_int(value) or value < low or (high is not None and value > high):
         raise ConfigError(f"{key}={value!r}: must be an integer {span}{meaning}; pass {key}=N with N {span}")
     return value
 
@@ -129,7 +129,7 @@ def check_size(cfg: DictConfig, key: str, optional: bool = False) -> list[int] |
     if value is None and optional:
         return None
     items = list(value) if OmegaConf.is_list(value) or isinstance(value, list | tuple) else None
-    if items is None or len(items) != 3 or any(not _is_int(s) or s < 1 for s in items):
+    if items is None or len(items) != 3 or any(not is_int(s) or s < 1 for s in items):
         raise ConfigError(f"{key}={value!r}: must be three positive integers (D, H, W); pass {key}=[D,H,W]"
                           + (f" or {key}=null" if optional else ""))
     return items
@@ -168,25 +168,6 @@ def as_config_error(key: str, fix: str, errors: tuple[type[Exception], ...] | No
         raise
     except errors as err:
         raise ConfigError(f"{key}: {err}; {fix}") from err
-
-
-def check_sampler(sampler: DictConfig, diffusion: DictConfig, *, steps: bool = True) -> None:
-    """Build the ``sampler`` node against the ``diffusion`` schedule: its steps and options are checked
-    by the samplers' own constructors, and a refusal names the node and its config file.
-
-    ``steps=False`` (med_ddpm.sample) checks only that ``sampler.steps`` is an integer: its range is that of the
-    checkpoint's own schedule, checked when the checkpoint is loaded."""
-    from med_ddpm.diffusion import NoiseSchedule  # the samplers import this module
-    from med_ddpm.samplers import sampler_from_config
-
-    count = sampler.get("steps")
-    if count is not None and not _is_int(count):
-        raise ConfigError(f"sampler.steps={count!r}: must be an integer (the number of sampling steps); "
-                          "pass sampler.steps=N, e.g. sampler.steps=50")
-    with as_config_error("sampler", f"see configs/sampler/{sampler.get('name')}.yaml for its options",
-                         errors=(ValueError, TypeError)):
-        sampler_from_config(sampler if steps else OmegaConf.merge(sampler, {"steps": None}),
-                            NoiseSchedule.from_config(diffusion))
 
 
 def check_divisible(thing: str, size: Sequence[int], channel_mult: Sequence[int], key: str,

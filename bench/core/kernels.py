@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-from med_ddpm.errors import ConfigError, read_json_option
+from med_ddpm.config_checks import ConfigError, read_json_option
 from med_ddpm.utils import save_figure
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -107,7 +107,7 @@ def short_name(name: str, width: int = 90) -> str:
 
 def load_profile(path: Path, key: str) -> dict:
     """One ``bench.profile`` JSON record, named by option ``key``; a file that cannot be read or is not a
-    profile is a :class:`~med_ddpm.errors.ConfigError` naming the option and the file."""
+    profile is a :class:`~med_ddpm.config_checks.ConfigError` naming the option and the file."""
     fix = "pass a JSON file that bench.profile wrote"
     record = read_json_option(key, path, fix)
     if not isinstance(record, dict) or "categories_ms" not in record:
@@ -119,7 +119,7 @@ def markdown(profiles: list[dict]) -> str:
     """Category table (ms per step, one column per stack) and each stack's top kernels (calls and ms per step)."""
     lines = ["# Kernel-level breakdown", "",
              "GPU (or, on CPU, operator self) time per step by kernel category; Tensor-Core share is a "
-             "name heuristic (see bench/kernels.py).", ""]
+             "name heuristic (see bench/core/kernels.py).", ""]
     stacks = [p["label"] for p in profiles]
     lines += ["| category | " + " | ".join(stacks) + " |", "|---|" + "---|" * len(stacks)]
     for cat in CATEGORY_NAMES:

@@ -8,7 +8,7 @@ deterministic solver gets the error-washing of a stochastic one where it is chea
 
 The jump needs no model call: it is part of the step that lands on ``t_min``, which therefore returns
 x at ``t_max``, the next point of :attr:`RestartSampler.timesteps`. So ``timesteps`` lists exactly the model
-calls (``steps + restarts × restart_steps``), :func:`med_ddpm.samplers.sample` runs it unchanged, and each
+calls (``steps + restarts × restart_steps``), :func:`med_ddpm.samplers.base.sample` runs it unchanged, and each
 step takes one noise field z like every stochastic sampler (the quality gate's fixed per-step noise works
 as is). Example::
 
@@ -23,11 +23,14 @@ from typing import Any
 
 import torch
 
+from med_ddpm.config_checks import ConfigError, check_int_value, check_one_of
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import ConfigError, check_int_value, check_one_of
-from med_ddpm.samplers import SAMPLERS, FewStepSampler, Sampler, StepOutput, check_options
+from med_ddpm.samplers.base import FewStepSampler, Sampler, StepOutput, check_options
+from med_ddpm.samplers.ddim import DDIMSampler
+from med_ddpm.samplers.deis import DEISSampler
+from med_ddpm.samplers.dpm_solver import DPMSolverPPSampler
 
-BASES = ("ddim", "dpm_solver_pp", "deis")
+BASES: dict[str, type[FewStepSampler]] = {"ddim": DDIMSampler, "dpm_solver_pp": DPMSolverPPSampler, "deis": DEISSampler}
 
 
 def segment_grid(t_max: int, t_min: int, steps: int) -> list[int]:
@@ -52,7 +55,7 @@ class RestartSampler(Sampler):
     def __init__(self, schedule: NoiseSchedule, *, t_min: int, t_max: int, restarts: int = 2, restart_steps: int = 6,
                  base: str = "dpm_solver_pp", **base_options: Any):
         T = schedule.num_train_timesteps
-        check_one_of("sampler.base", base, BASES)
+        check_one_of("sampler.base", base, tuple(BASES))
         check_int_value("sampler.t_min", t_min, 0, T - 2)
         check_int_value("sampler.t_max", t_max, 1, T - 1)
         check_int_value("sampler.restarts", restarts, 0)
@@ -68,10 +71,10 @@ class RestartSampler(Sampler):
         self.restarts, self.restart_steps = restarts, restart_steps
         ac = schedule.alphas_cumprod.detach().double().cpu()
         self.ratio = float(ac[t_max] / ac[t_min])  # r² = ᾱ_{t_max}/ᾱ_{t_min}
-        check_options(base, base_options)
-        self.main: FewStepSampler = SAMPLERS[base](schedule, **base_options)
+        check_options(base, BASES[base], base_options)
+        self.main: FewStepSampler = BASES[base](schedule, **base_options)
         segment_options = {k: v for k, v in base_options.items() if k not in ("spacing", "timesteps")}
-        self.segment: FewStepSampler = SAMPLERS[base](
+        self.segment: FewStepSampler = BASES[base](
             schedule, timesteps=segment_grid(t_max, t_min, restart_steps), **segment_options)
         self.set_timesteps(self.main.num_inference_steps)
 
@@ -112,6 +115,3 @@ class RestartSampler(Sampler):
         self.segment.rewind()  # a fresh chain from t_max
         jumped = math.sqrt(self.ratio) * out.prev_sample + math.sqrt(self.ratio * s**2 + 1 - self.ratio) * z
         return StepOutput(jumped, out.pred_x0)
-
-
-SAMPLERS["restart"] = RestartSampler

@@ -20,7 +20,7 @@ batch. Both runs share the masks, and the weights unless ``quality.candidate_che
 candidate its own (two trained models, both strict FP32); with the same ``seed`` they share x_T and
 every per-step noise field too (paired). Noise is drawn in float32 on the CPU from seeds and only then
 moved to the device, so neither memory layout nor autocast dtype can change it. What the gate
-judges, and how, is in :mod:`med_ddpm.gate`. This module takes callables only; it knows nothing
+judges, and how, is in :mod:`med_ddpm.quality.gate`. This module takes callables only; it knows nothing
 about bench or recipe internals.
 """
 
@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from med_ddpm.errors import ConfigError
-from med_ddpm.gate import QualityGate, QualityReport, TrajectoryRun
+from med_ddpm.config_checks import ConfigError
+from med_ddpm.quality.gate import QualityGate, QualityReport, TrajectoryRun
 from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
 from med_ddpm.utils import atomic_save, json_safe
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quality" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quality" / "default.yaml"
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
@@ -193,7 +193,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     the reference (strict FP32, DDPM, same masks and probes), so the gate compares two trained models.
     The report names both checkpoints.
     """
-    from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
+    from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
     from optim import RecipeStack
 
     cfg = _as_dict(cfg)
@@ -279,7 +279,7 @@ def check_same_network(path: str, candidate: tuple[torch.nn.Module, Any], refere
 
 def phantom_masks(n: int, n_masks: int, image_size: Sequence[int], variant: str, seed: int) -> torch.Tensor:
     """(n, C, D, H, W) conditioning: ``n_masks`` synthetic phantom masks, each repeated n / n_masks times."""
-    from med_ddpm.phantoms import SyntheticPhantoms
+    from med_ddpm.data.phantoms import SyntheticPhantoms
 
     if n_masks < 1 or n % n_masks:
         raise ValueError(f"quality.n_samples={n} must be a multiple of quality.n_masks={n_masks}")
@@ -295,13 +295,14 @@ def _file_identity(path: str | None) -> list[Any] | None:
     return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
 
 
-REFERENCE_CODE = ("model.py", "diffusion.py", "samplers.py", "quality.py", "phantoms.py")  # what the reference runs
+REFERENCE_CODE = ("model.py", "diffusion.py", "samplers/base.py", "samplers/ddpm.py", "quality/probe.py",
+                  "data/phantoms.py", "data/encoding.py")  # what the reference runs, relative to med_ddpm/
 
 
 def reference_code_digest() -> str:
     """torch's version and a hash of the code that computes the reference: an edit to either is a new reference,
     never a stale one read from the cache."""
-    here = Path(__file__).parent
+    here = Path(__file__).parents[1]
     text = torch.__version__ + "".join((here / name).read_text() for name in REFERENCE_CODE)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

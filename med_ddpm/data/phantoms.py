@@ -5,7 +5,7 @@ box, so any (D, H, W) size works, with smooth texture from upsampled low-resolut
 vectorised numpy/torch (a 64^3 phantom takes a few milliseconds). Item ``i`` depends only on ``(seed, i)``,
 so datasets of different lengths, workers and resumed runs all see the same volumes.
 
-Variants follow ``med_ddpm.data.VARIANTS``:
+Variants follow ``med_ddpm.data.encoding.VARIANTS``:
 * ``whole_head``: one T1-like channel with skull and scalp; labels 0 background, 1 head (everything inside
   the scalp except the tumour: like the real masks, whose "brain" label covers most of the head), 2 tumour.
 * ``brats``: skull-stripped brain, four modalities (t1, t1ce, t2, flair) with their typical contrasts;
@@ -23,16 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from med_ddpm.data import (
-    cached_dataset,
-    get_variant,
-    labels_to_cond,
-    medddpm_slice_minmax,
-    resolve_cache,
-)
-from med_ddpm.discovery import BRATS_MODALITIES
-from med_ddpm.errors import ConfigError, check_one_of
-from med_ddpm.volume_io import save_volume_like
+from med_ddpm.config_checks import ConfigError, check_one_of
+from med_ddpm.data.cache import cached_dataset, resolve_cache
+from med_ddpm.data.discovery import BRATS_MODALITIES
+from med_ddpm.data.encoding import get_variant, labels_to_cond, medddpm_slice_minmax
+from med_ddpm.data.volume_io import save_volume_like
 
 # Tissue classes of the phantom (not labels: several tissues share a label).
 BACKGROUND, BRAIN, CSF, NECROSIS, OEDEMA, ENHANCING, SKULL, SCALP = range(8)
@@ -132,7 +127,7 @@ class SyntheticPhantoms(Dataset):
             applies the original's per-slice scaling, as the NIfTI loader would.
         cache: ``memory`` generates every phantom once, at construction (MONAI ``CacheDataset``), so a training
             step does not wait for procedural generation; ``auto`` does so when the set fits
-            (:func:`med_ddpm.data.resolve_cache`); ``none`` generates each item when it is read.
+            (:func:`med_ddpm.data.cache.resolve_cache`); ``none`` generates each item when it is read.
     """
 
     def __init__(self, num_volumes: int = 8, image_size: Sequence[int] = (32, 32, 32), *,
@@ -185,7 +180,7 @@ def write_phantom_niftis(root: str | Path, num_volumes: int, image_size: Sequenc
                          variant: str = "whole_head", seed: int = 0, layout: str = "per_case",
                          raw_labels: bool = True, names: Sequence[str] | None = None,
                          spacing: float = 1.5) -> list[str]:
-    """Write phantoms as NIfTI files in a layout ``med_ddpm.data`` reads (for tests and the demo).
+    """Write phantoms as NIfTI files in a layout ``med_ddpm.data.datasets`` reads (for tests and the demo).
 
     whole_head: ``<root>/image/<name>.nii.gz`` + ``<root>/mask/<name>.nii.gz``. brats: ``layout`` per_case
     (``<root>/<name>/<name>_<mod>.nii.gz``) or per_modality (``<root>/<mod>/<name>_<mod>.nii.gz``), with the

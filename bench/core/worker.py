@@ -3,7 +3,7 @@
 Hydra's basic launcher runs every multirun job in one process, so TF32 flags, cuDNN
 autotune caches, compiled graphs and a fragmented CUDA allocator would leak from one job to
 the next and make results depend on job order. Each job therefore runs here, in a fresh
-interpreter (``python -m bench.worker JOB.json ROW.json``); a CUDA OOM, a NaN, a refused recipe,
+interpreter (``python -m bench.core.worker JOB.json ROW.json``); a CUDA OOM, a NaN, a refused recipe,
 a Python error or even a segfault ends that job with a row saying so, and the sweep goes on.
 
 The worker writes a placeholder row (status ``error``, with the environment) before it
@@ -33,9 +33,17 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench.records import MEASURED_FIELDS, provenance
-from bench.scenarios import NonFiniteOutput, Step, UnsupportedStack, batch_size, run_scenario, sampler_calls
-from med_ddpm.quality import gate_from_config
+from bench.core.process_group import STDERR_TAIL
+from bench.core.records import MEASURED_FIELDS, provenance
+from bench.core.scenarios import (
+    NonFiniteOutput,
+    Step,
+    UnsupportedStack,
+    batch_size,
+    run_scenario,
+    sampler_calls,
+)
+from med_ddpm.quality.probe import gate_from_config
 from med_ddpm.sample import CONFIG_DIR
 from med_ddpm.samplers import sampler_options
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
@@ -44,11 +52,10 @@ FAULTS = ("oom", "nan", "error", "segfault")  # bench.inject: test-only fault in
 OOM_PATTERN = re.compile(r"out of memory|CUDNN_STATUS_ALLOC_FAILED|CUBLAS_STATUS_ALLOC_FAILED", re.I)
 PLACEHOLDER = "worker exited before finishing"
 TIMEOUT_PREFIX = "worker timed out"
-STDERR_TAIL = 2000
 
 
 def quality_report(cfg: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """The speed-vs-quality gate of the job's stack + sampler (``med_ddpm.quality.gate_from_config``)
+    """The speed-vs-quality gate of the job's stack + sampler (``med_ddpm.quality.probe.gate_from_config``)
     on ``bench.checkpoint`` or seeded random weights, with ``bench.batch_size`` (at least 2) samples."""
     n = max(2, int(cfg["bench"]["batch_size"]))
     return gate_from_config(cfg, device, checkpoint=cfg["bench"].get("checkpoint"), n_samples=n).to_dict()
@@ -161,7 +168,7 @@ def cut_by_budget(row: Mapping[str, Any], timeout_s: float, own_limit_s: float, 
 
 
 def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Run ``job`` in a fresh ``python -m bench.worker`` and return its row, whatever happened.
+    """Run ``job`` in a fresh ``python -m bench.core.worker`` and return its row, whatever happened.
 
     Args:
         job: ``{"config": resolved config dict, "model": name, "recipes": [names]}``.
@@ -172,7 +179,7 @@ def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str
     job_path, row_path, log_path = job_dir / "job.json", job_dir / "row.json", job_dir / "worker.log"
     atomic_write_text(job_path, json.dumps(job, default=str))
     row_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.worker", str(job_path), str(row_path)]
+    cmd = [sys.executable, "-m", "bench.core.worker", str(job_path), str(row_path)]
     code = provenance()  # the commit that is measured: read before the job, not when its row is appended
     start = time.perf_counter()
     try:
@@ -191,7 +198,7 @@ def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m bench.worker JOB.json ROW.json", file=sys.stderr)
+        print("usage: python -m bench.core.worker JOB.json ROW.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
     row = measure(job, Path(argv[1]))

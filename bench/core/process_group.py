@@ -1,6 +1,6 @@
 """Commands that bench runs in a process group of their own, and that stop when bench is stopped.
 
-``bench.e2e`` (the real CLIs, the training arms) and ``bench.ncu`` (ncu and the program it profiles) start each
+``bench.e2e`` (the real CLIs, the training arms) and ``bench.core.ncu`` (ncu and the program it profiles) start each
 command in a new session, so that a timeout kills the command together with every worker it started (data
 loaders, inductor's compile workers, the profiled program). A new session also takes the command out of
 bench's own process group, so neither Ctrl-C at the terminal nor an outer ``timeout`` (which signals its whole
@@ -15,11 +15,17 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 LIVE: set[int] = set()  # process-group ids of the commands running now
+
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # a cold job's caches must be its own
+STDERR_TAIL = 2000  # characters of a failed command's output that its row keeps
 
 
 def kill(pid: int) -> None:
@@ -77,3 +83,23 @@ def stopped_together() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
+          env_extra: Mapping[str, str] | None = None, importtime: bool = False) -> tuple[int | None, float, str]:
+    """Run ``python -m <argv>`` with its caches in ``cache_dir`` (and ``env_extra`` set, e.g. the GPU it may see);
+    (exit code or None on timeout, wall s, log tail). The command runs in its own process group, so a timeout
+    kills its compile and data-loader workers with it, and no orphan keeps a GPU busy
+    (:func:`stopped_together` also stops it when bench is stopped).
+
+    ``importtime``: the command logs each import's time (``python -X importtime``: a flag, not the environment
+    variable, so torch.compile's worker processes do not log theirs); the tail leaves those lines out."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
+    env.update(env_extra or {})
+    start = time.time()
+    with log.open("w") as out:
+        code, _ = run([sys.executable, *(["-X", "importtime"] if importtime else []), "-m", *argv],
+                                    timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env)
+    said = [line for line in log.read_text(errors="replace").splitlines(True) if not line.startswith("import time:")]
+    return code, time.time() - start, "".join(said)[-STDERR_TAIL:]

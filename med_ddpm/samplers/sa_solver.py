@@ -8,7 +8,7 @@ data-prediction form; c = 1 + τ² and λ = log α − log σ)
     x_t = (σ_t/σ_s)·e^{−τ²h}·x_s + σ_t·e^{−τ²λ_t}·∫_{cλ_s}^{cλ_t} e^{v}·x̂₀(v/c) dv + σ_t·√(1 − e^{−2τ²h})·ξ,
 
 h = λ_t − λ_s. The integral is taken exactly over the Lagrange polynomial in λ through recent x̂₀
-(:func:`med_ddpm.samplers.lagrange_exp_weights` on the nodes cλ):
+(:func:`med_ddpm.samplers.base.lagrange_exp_weights` on the nodes cλ):
 
 * the predictor (stochastic Adams-Bashforth, ``predictor_order`` nodes) extrapolates the last x̂₀ to step from
   the current point to the next grid point;
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
+from med_ddpm.config_checks import check_int_value, check_number_value
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import check_int_value, check_number_value
-from med_ddpm.samplers import SAMPLERS, FewStepSampler, StepOutput, lagrange_exp_weights
+from med_ddpm.samplers.base import FewStepSampler, StepOutput, lagrange_exp_weights
 
 MAX_ORDER = 3
 
@@ -98,6 +98,3 @@ class SASolverSampler(FewStepSampler):
         prev = self._apply(self._predict[k], x_t, x0s, xi)
         self._x0s, self._previous = x0s[: MAX_ORDER], (x_t, xi)
         return StepOutput(prev, pred_x0)
-
-
-SAMPLERS["sa_solver"] = SASolverSampler

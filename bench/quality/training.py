@@ -3,7 +3,7 @@
 ``experiment=quality_model`` is trained for ``steps`` optimizer steps three times, in fresh processes
 (``python -m med_ddpm.train``): with strict FP32 (``recipe=[]``, arm ``fp32``), with ``experiment``'s recipe stack
 (default ``fast_train``; the stack and the options it sets on its recipes are read from its config,
-:func:`bench.ladder.experiment_stack`), and with strict FP32 and the next seed (``fp32_reseed``: ``seed=`` the
+:func:`bench.core.runner.experiment_stack`), and with strict FP32 and the next seed (``fp32_reseed``: ``seed=`` the
 quality model's + 1). The stack's run is the quality model's own config otherwise: the same seed, so the same
 initial weights, data order and every (t, ε) draw; batch 4 x grad_accum 1 in all three, which
 ``compile_cudagraphs`` takes. Two training runs diverge even on one recipe stack (nondeterministic cuDNN weight
@@ -17,7 +17,7 @@ Then:
   come from several calls, so their ratio is not a same-run one) and ``starts.json`` (the commit of the code
   that trained, and the GPU, at every start); it and ``loss_curves.json`` carry the commit (``git_sha``,
   ``dirty``) of the code that wrote them, as every row does;
-* two gated rows in ``<out>/results.jsonl`` (:func:`bench.ladder.quality_pair_ladder`): the FP32 run's EMA weights
+* two gated rows in ``<out>/results.jsonl`` (:func:`quality_pair_ladder`): the FP32 run's EMA weights
   as the reference, the stack's (the stack row) and the reseeded run's (the training-noise row) as the candidate
   (``quality.candidate_checkpoint``, which names the row in its key and label), strict-FP32 DDPM with the same
   masks and noise, so only the weights differ. The weights are gated under names holding a digest of their bytes
@@ -34,7 +34,7 @@ Then:
   degradation: reported (``weight_differences``), not deciding. With the three runs' loss tail means. Without
   both rows (a gate job cut by the budget or failed), or with a statistic that is not a number, the verdict is
   ``undecided`` and says why. It carries the commit of the code that wrote it, as every row does;
-* ``<out>/training.md``: all of it as tables (:mod:`bench.training_report`).
+* ``<out>/training.md``: all of it as tables (:mod:`bench.quality.training_report`).
 
 Run as a ladder preset (1000 steps each: three runs and two gates take several 10-minute device calls,
 docs/quality.md; a call cut by ``budget_s`` is finished by running the same command again while ``runs`` is there):
@@ -59,29 +59,26 @@ import queue
 import shutil
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from hydra import compose
 
-from bench.e2e import spawn
-from bench.ladder import experiment_stack, quality_pair_ladder, run_ladder
-from bench.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
+from bench.core.process_group import spawn
+from bench.core.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
+from bench.core.runner import Job, experiment_stack, run_ladder
+from bench.quality.training_report import NOISE, REFERENCE, RESEED, VERDICT_FILE, arm_label
 from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.cli import CONFIG_DIR, configs
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.timings import TIMINGS_FILE
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, save_figure
 
-REFERENCE = "fp32"
-RESEED = "fp32_reseed"  # strict FP32 with the next seed: what retraining alone changes
-NOISE = "training_noise"  # the row that gates RESEED against REFERENCE
-TWO_SIDED = ("diversity_gap",)  # the gate tests it two-sided (med_ddpm.gate): its magnitude is the distance
+TWO_SIDED = ("diversity_gap",)  # the gate tests it two-sided (med_ddpm.quality.gate): its magnitude is the distance
 PAIRED = {"stack": f"{REFERENCE} vs the stack", NOISE: f"{REFERENCE} vs {RESEED}"}  # what each gated row compares
-VERDICT_FILE = "training_verdict.json"
 STARTS_FILE = "starts.json"  # in each run's folder: every (re)start's commit and GPU
 NOTE = ("one draw of training noise (one reseeded FP32 run): a pass means no check moved further from FP32 than one "
         "retraining did; a check beyond that one draw is not evidence of harm (a harmless stack lands there about "
@@ -213,11 +210,6 @@ def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: 
     return out
 
 
-def arm_label(arm: str) -> str:
-    return {REFERENCE: "strict FP32 (recipe=[])", RESEED: "strict FP32, next seed (unpaired)"}.get(
-        arm, f"experiment={arm}'s stack")
-
-
 def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, title: str) -> Path:
     """Every run's logged losses (thin) and their running means over 10 logged steps (thick), log scale."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -270,6 +262,19 @@ def frozen_weights(checkpoint: Path) -> str:
         except OSError:
             shutil.copyfile(checkpoint, frozen)
     return str(frozen)
+
+
+def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterator[Job]:
+    """Two checkpoints of the quality model gated against each other (``quality.candidate_checkpoint``): the
+    reference's EMA weights and the candidate's, both strict-FP32 DDPM-250 with the same N masks and noise, so
+    only the weights differ. The row's time is the reference's FP32 forward. ``preset=quality_training`` trains
+    such a pair (strict FP32 and ``experiment=fast_train``'s stack) and gates it with this preset."""
+    if reference is None or candidate is None:
+        raise ConfigError("checkpoint, candidate_checkpoint: preset=quality_pair gates two sets of weights; pass "
+                          "checkpoint=PATH (the reference's) and candidate_checkpoint=PATH")
+    yield ["model=quality_model", "bench=denoise_step", "bench.batch_size=4", "bench.warmup=1", "bench.iters=3",
+           "recipe=[]", "sampler=ddpm", "bench.quality=true", f"bench.checkpoint={reference}",
+           f"quality.candidate_checkpoint={candidate}"]
 
 
 def gated_pairs(runs: Path, experiment: str) -> dict[str, tuple[str, str]]:

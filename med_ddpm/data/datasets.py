@@ -1,5 +1,5 @@
 """NIfTI datasets for Med-DDPM: up-front validation, MONAI preprocessing, caching (which files make a case:
-:mod:`med_ddpm.discovery`).
+:mod:`med_ddpm.data.discovery`).
 
 Two on-disk layouts are supported, as documented in ``../shared/data/README.md`` and
 ``../shared/reference/BRATS.md``:
@@ -23,11 +23,8 @@ its config does not need.
 
 from __future__ import annotations
 
-import logging
-import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +34,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from med_ddpm.discovery import (
+from med_ddpm.config_checks import DataError, check_one_of
+from med_ddpm.data.cache import CACHE_MODES, cached_dataset, resolve_cache
+from med_ddpm.data.discovery import (
     BRATS_FIX,
     WHOLE_HEAD_FIX,
     Case,
@@ -46,105 +45,25 @@ from med_ddpm.discovery import (
     list_pairs,
     nifti_stem,
 )
-from med_ddpm.errors import ConfigError, DataError, check_one_of
+from med_ddpm.data.encoding import (
+    VARIANTS,
+    Variant,
+    get_variant,
+    labels_to_cond,
+    medddpm_slice_minmax,
+    plain_tensor,
+    remap_brats_raw_labels,
+)
+from med_ddpm.data.phantoms import SyntheticPhantoms
 
 if TYPE_CHECKING:
     from monai.transforms import Compose
 
 INTENSITY_MODES = ("volume_minmax", "medddpm_slice_minmax", "none")
 RESIZE_MODES = ("crop_or_pad", "resample")
-CACHE_MODES = ("auto", "none", "memory", "disk")
-MEMORY_CACHE_SHARE = 0.5  # cache=auto keeps the dataset in RAM when it takes at most this share of what is free
 BAD_FILE_MODES = ("error", "skip")
 SEG_LABEL_MODES = ("auto", "raw", "medddpm")
 NIFTI_AXES_TO_MODEL = (0, 3, 2, 1)  # (C, i, j, k) -> (C, k, j, i); its own inverse
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What a Med-DDPM variant's tensors look like.
-
-    Attributes:
-        name: ``whole_head`` or ``brats``.
-        image_channels: target channels (modalities).
-        labels: label values a preprocessed mask may hold; 0 is background and gets no channel.
-        signed_cond: condition channels in {-1, 1} (whole-head original) instead of {0, 1} (BraTS original).
-    """
-
-    name: str
-    image_channels: int
-    labels: tuple[int, ...]
-    signed_cond: bool
-
-    @property
-    def cond_channels(self) -> int:
-        return len(self.labels) - 1
-
-
-VARIANTS = {
-    "whole_head": Variant("whole_head", 1, (0, 1, 2), signed_cond=True),
-    "brats": Variant("brats", 4, (0, 1, 2, 3, 4), signed_cond=False),
-}
-# a network's output channels name its data variant (checkpoints record no data config)
-VARIANT_BY_IMAGE_CHANNELS = {v.image_channels: name for name, v in VARIANTS.items()}
-
-
-def get_variant(name: str) -> Variant:
-    check_one_of("data.variant", name, tuple(VARIANTS))
-    return VARIANTS[name]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Label maps and intensities (pure tensor functions, shared with the synthetic phantoms)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def plain_tensor(x: Any) -> torch.Tensor:
-    """A plain ``torch.Tensor`` (MONAI's MetaTensor metadata dropped: items must collate and pickle cheaply).
-
-    ``as_subclass`` is what ``MetaTensor.as_tensor`` calls; it is used here so that checking for a MetaTensor
-    does not import MONAI.
-    """
-    return x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else torch.as_tensor(x)
-
-
-def labels_to_cond(labels: torch.Tensor, variant: Variant) -> torch.Tensor:
-    """One-hot a (1, D, H, W) label map into the variant's condition channels.
-
-    Channel k-1 holds label k; background has no channel. Whole-head channels are mapped by x*2-1 to
-    {-1, 1} as in the original ``dataset.py`` (``full_channel_mask=True``); BraTS channels stay in {0, 1}.
-    """
-    from monai.transforms import AsDiscrete
-
-    onehot = AsDiscrete(to_onehot=len(variant.labels))(plain_tensor(labels).reshape(1, *labels.shape[-3:]))
-    cond = plain_tensor(onehot)[1:].float()
-    return (cond * 2 - 1 if variant.signed_cond else cond).contiguous()
-
-
-def remap_brats_raw_labels(seg: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
-    """Raw BraTS labels {0, 1, 2, 4} -> Med-DDPM's {0..4} (BRATS.md, ``preprocess_brats_data.py``).
-
-    Enhancing tumour 4 becomes 3, and background voxels inside the head (``t1 > -1`` after scaling to
-    [-1, 1]) become the healthy-brain label 4.
-    """
-    out = seg.clone()
-    out[seg == 4] = 3
-    out[(seg == 0) & (t1 > -1)] = 4
-    return out
-
-
-def medddpm_slice_minmax(image: torch.Tensor) -> torch.Tensor:
-    """Med-DDPM's intensity scaling: every slice along the third NIfTI axis min-maxed to [-1, 1] on its own.
-
-    The original runs sklearn ``MinMaxScaler().fit_transform`` on the NIfTI array reshaped to (i*j, k), so
-    each k-slice is one feature scaled to [0, 1] (a constant slice becomes 0), then applies x*2-1. The third
-    NIfTI axis is the model's D axis (dim 1 of a (C, D, H, W) tensor). Computed in float64 like sklearn.
-    """
-    x = torch.as_tensor(image).double()
-    lo = x.amin(dim=(2, 3), keepdim=True)
-    span = x.amax(dim=(2, 3), keepdim=True) - lo
-    span = torch.where(span == 0, torch.ones_like(span), span)  # sklearn's _handle_zeros_in_scale
-    return ((x - lo) / span * 2 - 1).float()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -393,52 +312,6 @@ def _file_stamp(path: str) -> str:
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
-def available_ram_bytes() -> int:
-    """Memory the OS can give this process now: ``MemAvailable`` (Linux), else free pages."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def dataset_bytes(num_items: int, variant: Variant, image_size: Sequence[int]) -> int:
-    """Size of the preprocessed dataset in memory: float32 image + condition channels per item."""
-    return num_items * (variant.image_channels + variant.cond_channels) * int(np.prod(image_size)) * 4
-
-
-def resolve_cache(cache: str, num_items: int, variant: Variant, image_size: Sequence[int]) -> str:
-    """``auto``: ``memory`` when the preprocessed dataset, once per process on this machine, takes at most
-    :data:`MEMORY_CACHE_SHARE` of the available RAM (each file is then decoded once, at start-up, not at every step), else ``none``."""
-    if cache != "auto":
-        return cache
-    # every process of this machine (torchrun: LOCAL_WORLD_SIZE ranks) caches its own copy
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    need, free = dataset_bytes(num_items, variant, image_size) * ranks, available_ram_bytes()
-    chosen = "memory" if need <= MEMORY_CACHE_SHARE * free else "none"
-    logging.getLogger("med_ddpm.data").info("data.cache=auto: %s (dataset %.2f GiB, %.1f GiB RAM available)",
-                                            chosen, need / 2**30, free / 2**30)
-    return chosen
-
-
-def cached_dataset(records: Sequence, transform: Callable, cache: str, cache_dir: str | Path | None) -> Dataset:
-    """``records`` through ``transform`` (MONAI transforms: CacheDataset caches the deterministic ones), kept
-    where ``cache`` says: ``memory``, ``disk`` (in ``cache_dir``) or ``none`` (transformed at every read)."""
-    from monai.data import CacheDataset, PersistentDataset
-    from monai.data import Dataset as MonaiDataset
-
-    if cache == "memory":
-        return CacheDataset(records, transform, cache_rate=1.0, num_workers=0, progress=False)  # one thread: threaded caching can mix up a BraTS case's 4 image files
-    if cache == "disk":
-        if not cache_dir:
-            raise ConfigError("data.cache=disk needs data.cache_dir; pass data.cache_dir=FOLDER (for MONAI's "
-                              "PersistentDataset)")
-        return PersistentDataset(records, transform, cache_dir=Path(cache_dir))
-    return MonaiDataset(records, transform)
-
-
 class WholeHeadDataset(NiftiPairDataset):
     """Med-DDPM whole-head data: ``<root>/image`` + ``<root>/mask`` paired by file name."""
 
@@ -467,8 +340,6 @@ def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None 
     size = tuple(int(s) for s in (image_size if image_size is not None else cfg_data["image_size"]))
     common = {k: cfg_data[k] for k in ("intensity",) if k in cfg_data}
     if name == "synthetic":
-        from med_ddpm.phantoms import SyntheticPhantoms  # phantoms builds on this module's label encoding
-
         return SyntheticPhantoms(cfg_data.get("num_volumes", 8), size, variant=cfg_data.get("variant", "whole_head"),
                                  seed=cfg_data.get("seed", 0), cache=cfg_data.get("cache", "none"), **common)
     files = {k: cfg_data[k] for k in ("resize_mode", "on_bad_file", "cache", "cache_dir") if k in cfg_data}
