@@ -1,5 +1,5 @@
 """End-to-end CPU sweeps through Hydra multirun + per-job subprocesses (the bench_smoke experiment),
-and a sweep directory reused by a second launch."""
+a sweep directory reused by a second launch, and what a job's row carries (measured in this process)."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 from bench.core.records import read_rows
 from bench.core.runner import compose_job
-from bench.core.worker import run_job
+from bench.core.worker import measure, run_job
 from bench.report import report_rows, write_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_a_recipe_inert_on_the_device_is_named_and_its_row_gets_no_speedup(tmp_p
     rows = []
     for recipes in ("[]", "[tf32]", "[tf32,amp_bf16]"):
         job = compose_job(["experiment=bench_smoke", "bench=denoise_step", f"recipe={recipes}"], tmp_path)
-        rows.append({**run_job(job, tmp_path / f"job{len(rows)}", timeout_s=120), "run_id": "r", "git_sha": "0" * 40})
+        rows.append({**measure(job, tmp_path / f"row{len(rows)}.json"), "run_id": "r", "git_sha": "0" * 40})
     assert [r["inert_recipes"] for r in rows] == [[], ["tf32"], ["tf32"]]
     base, tf32, both = report_rows(rows)
     assert tf32["speedup"] is None and tf32["message"] == "inert on cpu: tf32"
@@ -80,9 +80,9 @@ def test_a_recipe_inert_on_the_device_is_named_and_its_row_gets_no_speedup(tmp_p
 
 def test_quality_gate_fills_the_row(tmp_path):
     """bench.quality=true: the row carries med_ddpm.quality's verdict for the job's stack vs strict FP32."""
-    job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=10", "sampler.steps=10",
-                       "recipe=[amp_bf16]"], tmp_path)
-    row = run_job(job, tmp_path / "job", timeout_s=240)
+    job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=10",
+                       "sampler.steps=10", "quality.n_samples=8", "quality.n_masks=4", "recipe=[amp_bf16]"], tmp_path)
+    row = measure(job, tmp_path / "row.json")
     assert row["status"] == "ok", row["message"]
     assert row["quality"]["verdict"] in ("pass", "warn"), row["quality"]
     assert row["quality"]["metrics"]["eps_rel_l2"] > 0  # bf16 drifts from fp32: the comparison ran
