@@ -39,6 +39,9 @@ test-slow: $(STAMP) ## run the slow tests
 lint: $(STAMP) ## ruff check
 	$(BIN)/ruff check med_ddpm optim bench tests
 
+# One CPU thread: on a 2-core box shared with other work two OpenMP threads spin-wait for each other and a
+# tiny training step takes several times longer; an idle box loses little.
+demo: export OMP_NUM_THREADS := 1
 demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report (reruns retrain)
 	@# train and sample refuse an output_dir holding an earlier run's results: a rerun starts them afresh;
 	@# the sweep keeps earlier runs' rows and its report shows the latest run's (bench.core.records run ids)
