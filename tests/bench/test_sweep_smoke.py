@@ -20,7 +20,7 @@ IDENTITY = ("scenario", "model", "image_size", "batch_size", "recipes", "status"
 def sweep(tmp_path: Path, *overrides: str) -> list[dict]:
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "bench.sweep", "-m", "experiment=bench_smoke", *overrides, f"hydra.sweep.dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_rows(out)
 
