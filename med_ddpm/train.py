@@ -53,8 +53,8 @@ from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_under_cap
 from med_ddpm.model import UNet3D, build_model
+from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
-from med_ddpm.timings import LoopTimer, RunClock, TimedIterator
 from med_ddpm.tracking import build_tracker
 from med_ddpm.train_state import Job, TrainState, restore_state, resume_path, save_state
 from med_ddpm.utils import append_line, seed_everything

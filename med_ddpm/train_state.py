@@ -19,7 +19,7 @@ from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.config_checks import CheckpointError
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
-from med_ddpm.timings import RunClock
+from med_ddpm.run_clock import RunClock
 from med_ddpm.tracking import Tracker
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack

@@ -73,7 +73,7 @@ from bench.quality.training_report import NOISE, REFERENCE, RESEED, VERDICT_FILE
 from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.cli import CONFIG_DIR, configs
 from med_ddpm.config_checks import ConfigError
-from med_ddpm.timings import TIMINGS_FILE
+from med_ddpm.run_clock import TIMINGS_FILE
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, save_figure
 
