@@ -57,8 +57,8 @@ from typing import Any
 
 from hydra import compose
 
-from bench.core.process_group import spawn
 from bench.core.records import RESULTS_FILE, append_row, code_label, read_rows
+from bench.core.subprocesses import spawn
 from bench.core.worker import OOM_PATTERN
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError

@@ -66,9 +66,9 @@ from typing import Any
 
 from hydra import compose
 
-from bench.core.process_group import spawn
 from bench.core.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
 from bench.core.runner import Job, experiment_stack, run_ladder
+from bench.core.subprocesses import spawn
 from bench.quality.training_report import NOISE, REFERENCE, RESEED, VERDICT_FILE, arm_label
 from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.cli import CONFIG_DIR, configs
