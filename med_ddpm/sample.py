@@ -56,7 +56,7 @@ from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 PHANTOM_MASKS = 2  # masks=null: masks of this many synthetic phantoms
 
 

@@ -61,7 +61,7 @@ from med_ddpm.utils import append_line, seed_everything
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.train")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 LOSS_LOG = "loss.jsonl"  # <output_dir>/loss.jsonl: every logged step's metrics, whatever the logger
 
 

@@ -43,8 +43,8 @@ from bench.core.scenarios import (
     sampler_calls,
 )
 from bench.core.subprocesses import STDERR_TAIL
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.quality.probe import gate_from_config
-from med_ddpm.sample import CONFIG_DIR
 from med_ddpm.samplers import sampler_options
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
