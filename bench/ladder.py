@@ -44,8 +44,8 @@ import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from bench.core.process_group import stopped_together
 from bench.core.runner import Job, experiment_stack, recipe_override, run_ladder
+from bench.core.subprocesses import stopped_together
 from bench.e2e import run as run_commands
 from bench.quality.training import quality_pair_ladder, visible_gpus
 from bench.quality.training import run as train_and_gate
