@@ -182,7 +182,7 @@ def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
         return list_jobs(todo, gpu, budget_s)
     runner = Runner(out, cfg, time.monotonic(), budget_s)
     for job, chosen in todo:
-        runner.measure(job, chosen, [j for j, _ in todo])
+        runner.measure(job, chosen, todo)
     missing = [name for job in jobs for name in job.names if name not in done_names(out, os.environ.get(RUN_ID_ENV))]
     if missing:
         print(f"evidence: {len(missing)} row(s) missing from run {os.environ.get(RUN_ID_ENV)}: {', '.join(missing)}")
@@ -227,7 +227,7 @@ class Runner:
             append_row(self.out / RESULTS_FILE, {**row, "job_name": row_name, "variant": chosen.variant or None})
         self.ran.update([name] if name else job.names)
 
-    def measure(self, job: Job, chosen: Fit, todo: list[Job]) -> None:
+    def measure(self, job: Job, chosen: Fit, todo: list[tuple[Job, Fit]]) -> None:
         if set(job.names) <= self.ran:
             return
         if chosen.reason:
@@ -256,18 +256,22 @@ class Runner:
             identity = base_row(counters_spec(chosen.overrides, self.out / "counters", None))
         return {**identity, "status": "unsupported", "message": chosen.reason, "env": env_info()}
 
-    def step(self, job: Job, chosen: Fit, todo: list[Job]) -> None:
-        """The job, or with a ``process`` every job of it still to run, in one worker process."""
-        spec = step_spec(chosen.overrides, self.out / "jobs" / job.names[0], self.cache(job))
+    def step(self, job: Job, chosen: Fit, todo: list[tuple[Job, Fit]]) -> None:
+        """The job, or with a ``process`` every job of it still to run that the GPU can make, in one worker."""
+        group = [(j, f) for j, f in todo if j is job or (job.process and j.process == job.process and not f.reason
+                                                          and not set(j.names) <= self.ran)]
+        folder = self.out / "jobs" / (job.process or job.names[0])
+        specs = [step_spec(f.overrides, folder / j.names[0], self.cache(j)) for j, f in group]
         env = {"TRITON_CACHE_DIR": str(self.cache(job) / "triton")} if job.cache else {}
-        full = float(spec["config"]["bench"]["timeout_s"])
+        full = max(float(spec["config"]["bench"]["timeout_s"]) for spec in specs)
         timeout = min(full, self.left_s())
-        row = run_job(spec, self.out / "jobs" / job.names[0], timeout, env)
-        if cut_by_budget(row, timeout, full, self.budget_s):
-            print(f"[cut] {job.label}: the time budget ran out; rerun to measure it")
-            return
-        log_row(row)
-        self.append(job, row, chosen)
+        rows = run_job(specs, folder, timeout, env)
+        for (member, fitted), row in zip(group, rows, strict=True):
+            if cut_by_budget(row, timeout, full, self.budget_s):
+                print(f"[cut] {member.label}: the time budget ran out; rerun to measure it")
+                continue
+            log_row(row)
+            self.append(member, row, fitted)
 
     def inputs(self) -> dict[str, str]:
         """The e2e commands' data folder, masks and checkpoint: the ``e2e.*`` given, else written once here."""
