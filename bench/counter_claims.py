@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.records import baseline_key, code_label, is_baseline, read_rows, recipe_label
+from bench.core.records import baseline_key, code_label, is_baseline, read_rows, recipe_label
 from med_ddpm.utils import atomic_write_text, save_figure
 
 ROWS_FILE = "counters.jsonl"

@@ -42,17 +42,17 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bench import e2e
-from bench.gpu_fit import Fit, Gpu, fit
-from bench.ladder import compose_job, picked
-from bench.records import RESULTS_FILE, RUN_ID_ENV, append_row, provenance, read_rows
-from bench.sweep import CONFIG_DIR, job_spec, log_row
-from bench.worker import base_row, cut_by_budget, run_job
+from bench.core import presets
+from bench.core.gpu_fit import Fit, Gpu, fit
+from bench.core.presets import PRESET_DIR
+from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, provenance, read_rows
+from bench.core.runner import compose_job, job_spec, log_row, picked
+from bench.core.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.utils import env_info
 from optim import RecipeStack
 
-PRESET_DIR = CONFIG_DIR / "ladder" / "preset"
 KINDS = ("overrides", "e2e", "counters")
 KEYS = {"name", "process", "cache", "needs_gib", "estimate_s", *KINDS}
 
@@ -77,11 +77,11 @@ class Job:
         return " ".join(self.args)
 
 
-def load(preset: str) -> tuple[list[Job], float | None]:
-    """The jobs of ``configs/ladder/preset/<preset>.yaml`` and its default budget; a malformed entry is refused
-    with one line naming the file and the entry."""
+def load(preset: str, ladder: DictConfig | dict[str, Any] | None = None) -> tuple[list[Job], float | None]:
+    """The jobs of ``configs/ladder/preset/<preset>.yaml`` (:func:`bench.core.presets.load`, with the ladder's
+    options) and its default budget; a malformed entry is refused with one line naming the file and the entry."""
     path = PRESET_DIR / f"{preset}.yaml"
-    node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    node = OmegaConf.to_container(presets.load(preset, ladder or {}), resolve=True)
     jobs = []
     for n, entry in enumerate(node.get("jobs") or []):
         kinds = [k for k in KINDS if k in entry]
@@ -163,7 +163,7 @@ def finish_command(argv: Sequence[str]) -> str:
 
 def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
     """Run (or with ``dry_run`` list) the evidence jobs ``cfg.preset`` names into ``cfg.out``; return the rows left."""
-    jobs, preset_budget = load(cfg.preset)
+    jobs, preset_budget = load(cfg.preset, cfg)
     if cfg.only:  # a regex over a job's names and arguments
         texts = [[*job.names, *job.args] for job in jobs]
         kept = {id(text) for text in picked(texts, cfg.only, cfg.preset)}

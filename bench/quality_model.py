@@ -28,20 +28,20 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench.records import provenance
+from bench.core.records import provenance
 from bench.sweep import CONFIG_DIR
 from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
-from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
-from med_ddpm.errors import CheckpointError, ConfigError, check_int
-from med_ddpm.evaluate import distribution_metrics, diversity, save_montage
-from med_ddpm.features import RandomConv3dFeatures
-from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.quality import fixed_noise
+from med_ddpm.config_checks import CheckpointError, ConfigError, check_int
+from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.data.phantoms import SyntheticPhantoms
+from med_ddpm.data.volume_io import save_montage_png
+from med_ddpm.quality.evaluate import distribution_metrics, diversity, save_montage
+from med_ddpm.quality.features import RandomConv3dFeatures
+from med_ddpm.quality.probe import fixed_noise
 from med_ddpm.samplers import DDPMSampler, sample
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
-from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
 
 # Phantoms of experiment=quality_model come from seed 0; data=held_out_phantoms (med_ddpm.step_search's default

@@ -6,7 +6,7 @@ Example:
 
 A results file may hold many runs (a sweep directory reused, a ladder resumed, rows from
 several machines). Every row carries the ``run_id`` of the launch that wrote it and its commit
-(:mod:`bench.records`). Speed-up and memory are against the strict-FP32 row (``recipes == []``)
+(:mod:`bench.core.records`). Speed-up and memory are against the strict-FP32 row (``recipes == []``)
 of the same workload (scenario, model, size, batch, sampler, steps) in the *same run*; a row
 whose run has no such baseline gets no speed-up rather than one across runs.
 
@@ -25,7 +25,7 @@ status, value, p-value, null quantiles (distribution checks) or limits, and the 
 eps bias, so a verdict can be read back to the check that decided it.
 e2e.md (a ``preset=e2e`` folder: the real commands' rows, :mod:`bench.e2e`; report.md then points to it).
 training.md (a ``preset=quality_training`` folder): the arms, the training verdict and its checks
-(:mod:`bench.training_report`).
+(:mod:`bench.quality.training_report`).
 PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs the
 quality gate's number with the Pareto front marked (when the gate ran), model calls vs the gate's worst
 distribution p-value of the gated sampling rows, and throughput vs batch size (when there are several).
@@ -46,11 +46,19 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from bench.core.records import (
+    UNKNOWN,
+    baseline_key,
+    code_label,
+    is_baseline,
+    job_key,
+    read_results,
+    recipe_label,
+)
 from bench.e2e import write_page as write_e2e_page
-from bench.records import UNKNOWN, baseline_key, code_label, is_baseline, job_key, read_results, recipe_label
-from bench.training_report import write_training_report
+from bench.quality.training_report import write_training_report
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.utils import atomic_write_text, save_figure
 
 COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
@@ -455,7 +463,7 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
 
 def results_folder(cfg: DictConfig) -> Path:
     """``dir=``, refused unset or a file before anything is written (Hydra's run dir is the working directory,
-    left untouched; a folder without results.jsonl is refused by :func:`bench.records.read_results`)."""
+    left untouched; a folder without results.jsonl is refused by :func:`bench.core.records.read_results`)."""
     if OmegaConf.is_missing(cfg, "dir"):
         raise ConfigError(f"dir: has no value; {DIR_FIX}")
     folder = Path(cfg.dir)

@@ -15,7 +15,7 @@ errors of composing the config, which happen before the task starts.
 
 A user error prints ``error: <thing>: <problem>; <fix>`` to stderr and exits with status 2:
 
-- :class:`med_ddpm.errors.UserError` (bad data, checkpoint, option value or output directory),
+- :class:`med_ddpm.config_checks.UserError` (bad data, checkpoint, option value or output directory),
 - a recipe refusal (:class:`optim.UnsupportedRecipeError`, :class:`optim.RecipeConflictError`),
 - Hydra's config errors (unknown config name, with the valid names listed; unknown key; bad
   override syntax) and a mandatory option left unset,
@@ -49,7 +49,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from med_ddpm.errors import OutputError, UserError
+from med_ddpm.config_checks import OutputError, UserError
 from optim.base import RecipeConflictError, UnsupportedRecipeError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

@@ -39,9 +39,7 @@ from tqdm.auto import tqdm
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report, train_workload
-from med_ddpm.data import build_dataset
-from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
-from med_ddpm.errors import (
+from med_ddpm.config_checks import (
     CheckpointError,
     ConfigError,
     OutputError,
@@ -50,14 +48,15 @@ from med_ddpm.errors import (
     check_int,
     check_model_size,
     check_number,
-    check_sampler,
 )
+from med_ddpm.data.datasets import build_dataset
+from med_ddpm.data.volume_io import save_montage_png
+from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.model import UNet3D, build_model
-from med_ddpm.samplers import sample, sampler_from_config
+from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.timings import LoopTimer, RunClock, TimedIterator
 from med_ddpm.tracking import Tracker, build_tracker
 from med_ddpm.utils import append_line, seed_everything
-from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.train")
@@ -93,7 +92,7 @@ class TrainState:
 
     ``cfg`` needs ``seed``, ``diffusion.loss_type`` and the ``train`` keys ``batch_size``,
     ``grad_accum``, ``divide_loss_by_batch_size``, ``ema_every`` and ``ema_start``. :class:`Job`
-    adds the data, logging and output folder of a run; ``bench.scenarios`` times this state alone.
+    adds the data, logging and output folder of a run; ``bench.core.scenarios`` times this state alone.
     """
 
     cfg: DictConfig

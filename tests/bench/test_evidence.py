@@ -12,9 +12,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bench import evidence
-from bench.records import RESULTS_FILE, RUN_ID_ENV, append_row, baseline_key, read_rows
-from bench.sweep import CONFIG_DIR
-from bench.worker import base_row
+from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, baseline_key, read_rows
+from bench.core.worker import base_row
+from med_ddpm.cli import CONFIG_DIR
 
 STACKS = ("strict_fp32", "torch_defaults", "shipped")
 WORKLOADS = ("forward", "train_step", "ddpm250", "fast_sampler", "sampler25")
@@ -144,7 +144,7 @@ def test_a_cut_run_names_the_missing_rows_and_the_command_that_continues_its_run
 def test_a_rerun_continues_the_run_of_this_commit_and_a_new_commit_starts_its_own(tmp_path, measured, monkeypatch):
     code = {"git_sha": "a" * 40, "dirty": False}
     monkeypatch.setattr(evidence, "provenance", lambda: code)
-    monkeypatch.setattr("bench.records.provenance", lambda: code)
+    monkeypatch.setattr("bench.core.records.provenance", lambda: code)
     monkeypatch.setenv(RUN_ID_ENV, "first-run")
     append_row(tmp_path / RESULTS_FILE, {"status": "ok", "message": "", "job_name": "forward.strict_fp32"})
     monkeypatch.delenv(RUN_ID_ENV)

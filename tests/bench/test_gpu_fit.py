@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from hydra import compose
 
-from bench.gpu_fit import Gpu, fit, fp16_variant
+from bench.core.gpu_fit import Gpu, fit, fp16_variant
 from med_ddpm import cli
 from optim import RecipeStack
 

@@ -1,4 +1,4 @@
-"""bench.quality_training: the quality model trained with strict FP32, with an experiment's stack (same seed, data
+"""bench.quality.training: the quality model trained with strict FP32, with an experiment's stack (same seed, data
 order and steps) and with strict FP32 on the next seed, its loss curves, the two gated rows (stack and training
 noise against FP32) and the training verdict between them."""
 
@@ -12,22 +12,23 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import bench.quality_training as quality_training
-from bench.ladder import compose_job, quality_pair_ladder
+import bench.quality.training as quality_training
+from bench.core.records import job_key, provenance, recipe_label
+from bench.core.runner import compose_job
+from bench.core.worker import base_row
 from bench.ladder import run as run_ladder_command
-from bench.quality_training import (
+from bench.quality.training import (
     compare_losses,
     gate_jobs,
     gated_pairs,
     gated_row,
+    quality_pair_ladder,
     split_overrides,
     train_arms,
     training_commands,
     training_verdict,
 )
-from bench.records import job_key, provenance, recipe_label
-from bench.worker import base_row
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write
 
@@ -294,6 +295,6 @@ def test_tiny_arms_train_compare_and_gate(tmp_path):
     assert verdict["checks"]["kid_vs_ref"]["training_noise"]["value"] == rows[1]["quality"]["checks"]["kid_vs_ref"]["value"]
     assert verdict["tail_mean_loss"]["fp32_reseed"] == pytest.approx(reseed[-1])  # the last quarter: step 4
     assert verdict["git_sha"] == provenance()["git_sha"]
-    assert f"**{verdict['verdict']}**" in (out / "training.md").read_text()  # bench.training_report's page
+    assert f"**{verdict['verdict']}**" in (out / "training.md").read_text()  # bench.quality.training_report's page
     assert ladder(out, *args) == 0  # resumable: nothing left, nothing rerun
     assert len((out / "results.jsonl").read_text().splitlines()) == 2

@@ -6,13 +6,7 @@ import warnings
 import pytest
 import torch
 
-from bench.timing import (
-    active_precision,
-    datasheet_peak_tflops,
-    peak_fraction,
-    summarize,
-    time_fn,
-)
+from bench.core.timing import active_precision, datasheet_peak_tflops, peak_fraction, summarize, time_fn
 
 CPU = torch.device("cpu")
 

@@ -1,16 +1,11 @@
-"""bench.training_report: training.md rendered from a training-stack folder's own files, with each writer's commit."""
+"""bench.quality.training_report: training.md rendered from a training-stack folder's own files, with each writer's commit."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+from bench.quality.training_report import TRAINING_MD, training_markdown, write_training_report
 from bench.report import write_report
-from bench.training_report import TRAINING_MD, training_markdown, write_training_report
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
-ROOT = Path(__file__).resolve().parents[2]
 CHECK = {"value": 0.05, "p_value": 0.001, "status": "fail"}
 
 
@@ -68,14 +63,3 @@ def test_bench_report_writes_the_page_beside_its_tables(tmp_path):
 def test_each_p_value_has_two_significant_digits(tmp_path):
     checks = {"kid_vs_ref": {"stack": {**CHECK, "p_value": 0.0012345}, "training_noise": CHECK, "verdict": "within"}}
     assert "| kid_vs_ref | 0.05 | 0.0012 | 0.05 | 0.001 | within |" in training_markdown(folder(tmp_path, checks=checks))
-
-
-def test_the_module_is_no_command_and_says_which_one_writes_the_page(tmp_path):
-    """It used to exit 0 having done nothing, whatever the arguments."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "bench.training_report", f"dir={folder(tmp_path)}"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        "error: bench.training_report: not a command; run python -m bench.report dir=<the training folder>, which "
-        "writes training.md beside report.md"], proc.stderr
-    assert not (tmp_path / TRAINING_MD).exists()

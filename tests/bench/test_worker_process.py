@@ -11,8 +11,8 @@ import torch
 from hydra import compose
 from omegaconf import OmegaConf
 
-from bench import scenarios, worker
-from bench.ladder import compose_job
+from bench.core import scenarios, worker
+from bench.core.runner import compose_job
 from med_ddpm import cli, train
 from med_ddpm.checkpoint import load_checkpoint, save_checkpoint
 from med_ddpm.model import build_model
