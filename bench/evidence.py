@@ -171,7 +171,7 @@ def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
     budget = cfg.budget_s if cfg.budget_s is not None else preset_budget
     budget_s = math.inf if budget is None else float(budget)
     out = Path(cfg.out)
-    gpu = Gpu.detect(cfg.gpu)
+    gpu = Gpu.detect(OmegaConf.to_container(cfg.gpu))
     if gpu is not None and (note := gpu.peak_note()):
         print(note)
     run_id = continue_run(out) if not cfg.dry_run else None

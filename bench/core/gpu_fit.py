@@ -23,6 +23,7 @@ import torch
 
 from bench.core.timing import GIB, datasheet_peak_tflops
 from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.config_checks import ConfigError, check_number_value, is_int
 from optim import DeviceInfo, RecipeStack
 
 EXPERIMENT_DIR = CONFIG_DIR / "experiment"
@@ -47,6 +48,13 @@ class Gpu:
         """GPU 0 as torch reports it, with each field ``simulate`` sets (``name``, ``capability``, ``memory_gib``)
         in its place; None on a machine without CUDA, unless ``simulate`` sets all three."""
         given = {k: v for k, v in (simulate or {}).items() if k in FIELDS and v is not None}
+        if "memory_gib" in given:
+            check_number_value("gpu.memory_gib", given["memory_gib"], 0.0, low_open=True)
+        capability = given.get("capability")
+        if capability is not None and not (isinstance(capability, list | tuple) and len(capability) == 2
+                                           and all(is_int(x) for x in capability)):
+            raise ConfigError(f"gpu.capability={capability}: not a compute capability; pass [major, minor], "
+                              "e.g. 'gpu.capability=[7,0]' for a V100")
         if len(given) < len(FIELDS) and not torch.cuda.is_available():
             return None
         reported = {} if len(given) == len(FIELDS) else {

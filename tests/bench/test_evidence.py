@@ -165,3 +165,9 @@ def test_a_run_on_a_machine_without_cuda_is_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: preset=evidence: times GPU workloads and this machine shows no CUDA GPU; run it on a GPU machine, "
         "pass preset=smoke here, or dry_run=true to list its jobs"]
+
+
+def test_make_bench_runs_the_evidence_preset_then_its_report():
+    recipe = subprocess.run(["make", "-n", "bench", "SWEEP_DIR=out", "BIN=bin"], cwd=CONFIG_DIR.parent,
+                            capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert recipe[-2:] == ["bin/python -m bench.ladder preset=evidence out=out ", "bin/python -m bench.report dir=out"]
