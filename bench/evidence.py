@@ -49,7 +49,10 @@ from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, provenance,
 from bench.core.runner import compose_job, job_spec, log_row, picked
 from bench.core.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
+from med_ddpm.checkpoint import save_checkpoint
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.data.phantoms import write_phantom_niftis
+from med_ddpm.model import build_model
 from med_ddpm.utils import env_info
 from optim import RecipeStack
 
@@ -99,9 +102,9 @@ def load(preset: str, ladder: DictConfig | dict[str, Any] | None = None) -> tupl
 
 
 # ---------------------------------------------------------------------------- composing a job
-def _compose(config: str, overrides: Sequence[str]) -> DictConfig:
+def _compose(config: str, overrides: Sequence[str], hydra: bool = False) -> DictConfig:
     with cli.configs():
-        return compose(config, overrides=[*overrides, "output_dir=."], return_hydra_config=True)
+        return compose(config, overrides=[*overrides, "output_dir=."], return_hydra_config=hydra)
 
 
 def step_spec(args: Sequence[str], job_dir: Path, cache: Path | None) -> dict[str, Any]:
@@ -111,7 +114,7 @@ def step_spec(args: Sequence[str], job_dir: Path, cache: Path | None) -> dict[st
 
 def counters_spec(args: Sequence[str], out: Path, cache: Path | None) -> dict[str, Any]:
     extra = [f"bench.compile_cache={cache / 'compile'}"] if cache else []
-    cfg = _compose("counters", [*args, *extra, f"counters.out={out}"])
+    cfg = _compose("counters", [*args, *extra, f"counters.out={out}"], hydra=True)
     choices = cfg.hydra.runtime.choices
     with open_dict(cfg):
         del cfg["hydra"]
@@ -175,6 +178,8 @@ def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
     if gpu is not None and (note := gpu.peak_note()):
         print(note)
     run_id = continue_run(out) if not cfg.dry_run else None
+    if not cfg.dry_run and provenance()["dirty"]:
+        print("note: the tree differs from its commit: the rows are marked dirty, and a rerun starts a new run")
     done = done_names(out, run_id)
     todo = [(job, fit(job.args, stack_of(job), gpu, job.needs_gib)) for job in jobs
             if not set(job.names) <= done]
@@ -312,27 +317,20 @@ class Runner:
         self.append(job, row, chosen)
 
 
-def write_phantom_data(folder: Path) -> Path:
-    """One whole-head phantom (image and mask) at the whole-head model's size, written once."""
-    from med_ddpm.phantoms import write_phantom_niftis
-
+def write_phantom_data(folder: Path, model: str = "medddpm_whole_head") -> Path:
+    """One whole-head phantom (image and mask) at ``model``'s size, written once."""
     if not (folder / "mask").is_dir():
-        size = list(_compose("train", ["model=medddpm_whole_head"]).model.image_size)
-        write_phantom_niftis(folder, 1, size, variant="whole_head")
+        write_phantom_niftis(folder, 1, list(_compose("train", [f"model={model}"]).model.image_size))
     return folder
 
 
-def write_random_checkpoint(path: Path) -> Path:
-    """A whole-head network with seeded random weights in this project's checkpoint format, written once."""
-    from med_ddpm.checkpoint import save_checkpoint
-    from med_ddpm.model import build_model
-
+def write_random_checkpoint(path: Path, model: str = "medddpm_whole_head") -> Path:
+    """``model`` with seeded random weights in this project's checkpoint format, trained (as it says) on whole-head
+    data at its size, written once."""
     if not path.exists():
-        cfg = _compose("train", ["model=medddpm_whole_head", "data=whole_head"])
+        cfg = OmegaConf.to_container(_compose("train", [f"model={model}", "data=whole_head"]), resolve=True)
         torch.manual_seed(0)
-        state = build_model(cfg.model).state_dict()
-        config = OmegaConf.to_container(cfg, resolve=True)
+        state = build_model(cfg["model"]).state_dict()
         save_checkpoint(path, model_state=state, ema_state=state, step=0,
-                        config={k: config[k] for k in ("model", "diffusion", "data")})
+                        config={k: cfg[k] for k in ("model", "diffusion", "data")})
     return path
-

@@ -228,10 +228,11 @@ def run_job(job: Mapping[str, Any] | list[Mapping[str, Any]], job_dir: Path, tim
         returncode, stderr = None, _text(err.stderr)
     rows = json.loads(row_path.read_text()) if row_path.exists() else [base_row(j) for j in jobs]
     why = f"{TIMEOUT_PREFIX} after {timeout_s:.0f} s" if returncode is None else f"worker {_exit_reason(returncode)}"
+    wall_s = time.perf_counter() - start  # the process's, for each of its rows
     for row in rows:
         if row["message"] == PLACEHOLDER:
             row["message"] = f"{why}; stderr tail:\n{stderr[-STDERR_TAIL:]}"
-        row["wall_s"] = time.perf_counter() - start
+        row["wall_s"] = wall_s
     rows = [{**row, **code} for row in rows]
     return rows if isinstance(job, list) else rows[0]
 

@@ -159,6 +159,13 @@ def test_a_rerun_continues_the_run_of_this_commit_and_a_new_commit_starts_its_ow
     assert "forward.strict_fp32" in measured
 
 
+def test_the_command_lists_the_jobs_on_a_cpu(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=evidence", f"out={tmp_path}", "dry_run=true"],
+                          cwd=CONFIG_DIR.parent, capture_output=True, text=True, timeout=120)
+    todo = [line for line in done.stdout.splitlines() if line.startswith("[todo]")]
+    assert done.returncode == 0 and len(todo) == len(JOBS) and todo[0].startswith("[todo] forward.strict_fp32 ~")
+
+
 def test_a_run_on_a_machine_without_cuda_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=evidence", f"out={tmp_path}"],
                           cwd=CONFIG_DIR.parent, capture_output=True, text=True, timeout=120)
@@ -171,3 +178,50 @@ def test_make_bench_runs_the_evidence_preset_then_its_report():
     recipe = subprocess.run(["make", "-n", "bench", "SWEEP_DIR=out", "BIN=bin"], cwd=CONFIG_DIR.parent,
                             capture_output=True, text=True, timeout=60).stdout.splitlines()
     assert recipe[-2:] == ["bin/python -m bench.ladder preset=evidence out=out ", "bin/python -m bench.report dir=out"]
+
+
+def test_the_commands_inputs_are_a_phantom_and_a_checkpoint_the_sampling_command_loads(tmp_path):
+    from med_ddpm.checkpoint import load_checkpoint
+    from med_ddpm.sample import sampling_geometry
+
+    data = evidence.write_phantom_data(tmp_path / "data", model="tiny")
+    checkpoint = evidence.write_random_checkpoint(tmp_path / "ckpt.pt", model="tiny")
+    assert [p.name for p in (data / "mask").iterdir()] == [p.name for p in (data / "image").iterdir()] != []
+    loaded = load_checkpoint(checkpoint)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        command = compose("sample", overrides=[f"checkpoint={checkpoint}", f"masks={data / 'mask'}"])
+    assert sampling_geometry(loaded, command)[:2] == ("whole_head", [32, 32, 32])
+    assert evidence.write_random_checkpoint(checkpoint).stat().st_mtime == checkpoint.stat().st_mtime  # once
+
+
+@pytest.mark.slow  # two worker processes
+def test_a_cpu_run_of_a_small_preset_writes_its_rows_once_one_process_per_process_name(tmp_path, monkeypatch):
+    """The runner end to end with the real worker on the tiny model: a process's jobs in one worker, each row with
+    its job_name and the run's id; the same command again measures nothing."""
+    from bench.core import presets
+
+    folder = tmp_path / "presets"
+    folder.mkdir()
+    smoke = '[experiment=bench_smoke, bench.warmup=0, bench.iters=2'
+    (folder / "tiny_evidence.yaml").write_text(f"""
+jobs:
+  - {{name: forward.strict_fp32, process: fp32, overrides: {smoke}, bench=denoise_step, "recipe=[]"]}}
+  - {{name: train_step.strict_fp32, process: fp32, overrides: {smoke}, bench=train_step, "recipe=[]"]}}
+  - {{name: forward.torch_defaults, overrides: {smoke}, bench=denoise_step, "recipe=[torch_defaults]"]}}
+""")
+    monkeypatch.setattr(presets, "PRESET_DIR", folder)
+    monkeypatch.setattr(evidence, "PRESET_DIR", folder)
+    code = {"git_sha": "c" * 40, "dirty": False}  # a clean commit: the same command continues its run
+    for module in ("bench.evidence", "bench.core.records", "bench.core.worker"):
+        monkeypatch.setattr(f"{module}.provenance", lambda: code)
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
+    out = tmp_path / "out"
+    cfg = ladder_cfg(out, "preset=tiny_evidence", *H100)
+    assert evidence.run(cfg, argv=[]) == 0
+    rows = read_rows(out)
+    assert [r["job_name"] for r in rows] == ["forward.strict_fp32", "train_step.strict_fp32", "forward.torch_defaults"]
+    assert all(r["status"] == "ok" for r in rows) and len({r["run_id"] for r in rows}) == 1
+    assert sorted(p.name for p in (out / "jobs").iterdir()) == ["forward.torch_defaults", "fp32"]
+    assert rows[0]["wall_s"] == rows[1]["wall_s"] != rows[2]["wall_s"], "one worker for the fp32 process"
+    monkeypatch.delenv(RUN_ID_ENV)
+    assert evidence.run(cfg, argv=[]) == 0 and len(read_rows(out)) == 3
