@@ -4,7 +4,7 @@ The step benchmarks (``bench.sweep``, ``bench.ladder``) time one warmed-up step.
 and library imports, CUDA initialisation, loading data or a checkpoint, compilation and cuDNN autotuning,
 writing NIfTI files, waiting for data. Each job here runs ``python -m med_ddpm.sample`` or
 ``python -m med_ddpm.train`` in a fresh process, as a user would, reads the ``timings.json`` the command
-writes (:mod:`med_ddpm.timings`) and appends one row to ``<out>/results.jsonl``.
+writes (:mod:`med_ddpm.run_clock`) and appends one row to ``<out>/results.jsonl``.
 
 Example (the jobs of :func:`bench.ladder.e2e_ladder`; ``only=REGEX`` picks some):
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
@@ -57,13 +57,13 @@ from typing import Any
 
 from hydra import compose
 
-from bench.core.process_group import spawn
 from bench.core.records import RESULTS_FILE, append_row, code_label, read_rows
+from bench.core.subprocesses import spawn
 from bench.core.worker import OOM_PATTERN
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.data.phantoms import write_phantom_niftis
-from med_ddpm.timings import TIMINGS_FILE
+from med_ddpm.run_clock import TIMINGS_FILE
 from med_ddpm.utils import atomic_write_text, env_info
 
 E2E_MD = "e2e.md"
@@ -225,12 +225,14 @@ def workload(argv: list[str], timings: Mapping[str, Any] | None) -> dict[str, An
     }
 
 
-def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Run one job (after its cache preparation) and return its row, whatever happened."""
+def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_s: float,
+            cache_dir: Path | None = None) -> dict[str, Any]:
+    """Run one job (after its cache preparation) and return its row, whatever happened. ``cache_dir``: the command's
+    compile-cache folder (default: one per command under ``args["cache_dir"]``, or ``<out>/cache``)."""
     own, overrides = split_job(job)
     job_dir.mkdir(parents=True, exist_ok=True)
     argv = command(own, overrides, args, job_dir)
-    cache_dir = Path(args.get("cache_dir") or Path(args["out"]) / "cache") / own["scenario"] / re.sub(
+    cache_dir = cache_dir or Path(args.get("cache_dir") or Path(args["out"]) / "cache") / own["scenario"] / re.sub(
         r"\W+", "_", " ".join(o for o in overrides if not o.startswith("train.max_steps")))[:120]
     prepare_cache(own, cache_dir, lambda timed: spawn(argv, cache_dir, job_dir / "prime.log", timeout_s))
     shutil.rmtree(job_dir / "run", ignore_errors=True)  # no stale timings.json from the warm-up run

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
-from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
+from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report, sample_workload
 from med_ddpm.config_checks import (
     CheckpointError,
     ConfigError,
@@ -49,15 +49,15 @@ from med_ddpm.data.datasets import load_condition, read_volume
 from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import save_montage_png, save_volume_like
+from med_ddpm.run_clock import RunClock
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.samplers.tuned import use_tuned
-from med_ddpm.timings import RunClock
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 PHANTOM_MASKS = 2  # masks=null: masks of this many synthetic phantoms
 
 
@@ -264,12 +264,18 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     clock.mark("checkpoint_ready")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
-    cache = CompileCache.for_run(cfg.get("paths", {}).get("compile_cache"), "sample", stack, device,
-                                 {"model": loaded.model.config, "batch": cfg.num_samples, "size": geometry[1]})
+    cache = compile_cache(cfg, loaded, stack, device, geometry[1])
     clock.mark("recipes_ready")
     return SamplingJob(cfg, device, loaded, sampler_from_config(cfg.sampler, loaded.schedule.to(device)), stack,
                        geometry, Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
                        masks)
+
+
+def compile_cache(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, device: torch.device,
+                  size: list[int] | None) -> CompileCache | None:
+    """The project's compile cache for this run's stack and workload (None without a compile recipe)."""
+    return CompileCache.for_run(cfg.get("paths", {}).get("compile_cache"), "sample", stack, device,
+                                sample_workload(loaded.model.config, cfg.num_samples, size))
 
 
 def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> list[float]:
@@ -306,7 +312,7 @@ def run(cfg: DictConfig) -> list[Path]:
     """Load the checkpoint, then sample ``num_samples`` volumes for each of this rank's masks; returns its files.
 
     Writing overlaps the next volume's sampling (:class:`BackgroundWriter`); where the time went is
-    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.timings`).
+    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.run_clock`).
     """
     clock = RunClock("sample")
     clock.mark("run_start")

@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from bench import floor, micro, precision_attribution, sweep
+from bench import floor, ladder, micro, precision_attribution, sweep
 from bench.core.scenarios import UnsupportedStack, prepared_parts
 from med_ddpm import cli, train, tune
 from med_ddpm import utils as med_utils
@@ -49,7 +49,7 @@ TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "m
 BASE = {"train": [*TINY, "train.progress=false", "train.grad_accum=1"], "sample": [*TINY, "progress=false"],
         "bench": [*TINY, "experiment=bench_smoke"], "evaluate": ["progress=false"], "precision_attribution": TINY,
         "floor": ["model=tiny"], "micro": ["size=4", "compile=false", "iters=1"],
-        "tune": ["~experiment", "++sampler.variant=sde", "device=cpu", "progress=false"]}
+        "tune": ["~experiment", "++sampler.variant=sde", "device=cpu", "progress=false"], "ladder": ["dry_run=true"]}
 
 
 @dataclass
@@ -73,7 +73,7 @@ SLIPS = [Slip(**row) for row in yaml.safe_load((Path(__file__).with_name("misuse
 
 
 def compose_cfg(command: str, overrides: list[str], out: Path | None = None):
-    extra = [f"output_dir={out}"] if out is not None else []
+    extra = [f"{'out' if command == 'ladder' else 'output_dir'}={out}"] if out is not None else []
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         return compose(config_name=command, overrides=[*BASE[command], *extra, *overrides])
 
@@ -98,7 +98,7 @@ def composed_or_refused(capsys, slip: Slip, overrides: list[str], out: Path) -> 
         return line
     check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options),
              "evaluate": evaluate.main, "precision_attribution": precision_attribution.main, "floor": floor.main,
-             "micro": micro.main, "tune": tune.main}[slip.command]
+             "micro": micro.main, "tune": tune.main, "ladder": cli.entry(ladder.run)}[slip.command]
     return refusal(capsys, check, cfg, status=slip.status)
 
 
@@ -329,6 +329,15 @@ def test_cli_prints_one_line_and_exits_2(module, args, pattern, tmp_path):
         assert len(list((tmp_path / "out" / ".hydra").glob("*/config.yaml"))) == 1  # one launch, its own record
         assert (tmp_path / "out" / f"{module.split('.')[-1]}.log").is_file()
     assert not (cwd / "outputs").exists()  # nothing of the run lands in the working directory
+
+
+def test_output_dir_naming_a_file_is_one_line_before_anything_runs(tmp_path):
+    """Hydra makes the run's folder before the command starts: a file in its place is named, exit 2."""
+    (tmp_path / "taken").write_text("a file")
+    proc = run_cli("med_ddpm.evaluate", "real=.", "generated=.", f"output_dir={tmp_path / 'taken'}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {tmp_path / 'taken'}: a file, not a folder; pass a folder (a new or an existing one), or remove the file")
+    assert (tmp_path / "taken").read_text() == "a file"
 
 
 @pytest.mark.slow

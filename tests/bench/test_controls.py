@@ -6,12 +6,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from bench.core import presets
 from bench.core.records import job_key, recipe_label
 from bench.core.runner import compose_job
 from bench.core.worker import base_row
-from bench.ladder import quality_ladder
 from bench.quality.controls import EpsNoise, EpsScale, SkipGroupNorm
-from bench.sweep import CONFIG_DIR
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.model import UNet3D
 from med_ddpm.quality.probe import gate_from_config, randomize_zero_init
@@ -78,6 +78,10 @@ def test_the_gate_end_to_end_on_the_real_configs(overrides, verdict):
     assert report.verdict == verdict, report.reasons
     assert report.context["n_samples"] == 32 and report.context["n_masks"] == 8
     assert report.context["min_detectable_eps_bias"] <= 0.02
+
+
+def quality_ladder(checkpoint):
+    return [job.overrides for job in presets.jobs("quality", {"checkpoint": checkpoint})]
 
 
 def test_quality_ladder_runs_controls_and_shipped_stacks_at_n32(tmp_path):
