@@ -175,7 +175,7 @@ def test_a_run_on_a_machine_without_cuda_is_one_line(tmp_path):
 
 
 def test_make_bench_runs_the_evidence_preset_then_its_report():
-    recipe = subprocess.run(["make", "-n", "bench", "SWEEP_DIR=out", "BIN=bin"], cwd=CONFIG_DIR.parent,
+    recipe = subprocess.run(["make", "--no-print-directory", "-n", "bench", "SWEEP_DIR=out", "BIN=bin"], cwd=CONFIG_DIR.parent,
                             capture_output=True, text=True, timeout=60).stdout.splitlines()
     assert recipe[-2:] == ["bin/python -m bench.ladder preset=evidence out=out ", "bin/python -m bench.report dir=out"]
 

@@ -70,7 +70,8 @@ def test_a_recipe_inert_on_the_device_is_named_and_its_row_gets_no_speedup(tmp_p
     rows = []
     for recipes in ("[]", "[tf32]", "[tf32,amp_bf16]"):
         job = compose_job(["experiment=bench_smoke", "bench=denoise_step", f"recipe={recipes}"], tmp_path)
-        rows.append({**measure(job, tmp_path / f"row{len(rows)}.json"), "run_id": "r", "git_sha": "0" * 40})
+        (row,) = measure([job], tmp_path / f"row{len(rows)}.json")
+        rows.append({**row, "run_id": "r", "git_sha": "0" * 40})
     assert [r["inert_recipes"] for r in rows] == [[], ["tf32"], ["tf32"]]
     base, tf32, both = report_rows(rows)
     assert tf32["speedup"] is None and tf32["message"] == "inert on cpu: tf32"
@@ -82,7 +83,7 @@ def test_quality_gate_fills_the_row(tmp_path):
     """bench.quality=true: the row carries med_ddpm.quality's verdict for the job's stack vs strict FP32."""
     job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=10",
                        "sampler.steps=10", "quality.n_samples=8", "quality.n_masks=4", "recipe=[amp_bf16]"], tmp_path)
-    row = measure(job, tmp_path / "row.json")
+    (row,) = measure([job], tmp_path / "row.json")
     assert row["status"] == "ok", row["message"]
     assert row["quality"]["verdict"] in ("pass", "warn"), row["quality"]
     assert row["quality"]["metrics"]["eps_rel_l2"] > 0  # bf16 drifts from fp32: the comparison ran

@@ -19,16 +19,6 @@ TEMB_ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def two_threads():
-    """The reference was made on two CPU threads. One thread sums in another order, and the first reverse step,
-    which multiplies ε's round-off by 31.6 (the README), then lands 1.1e-4 from it, over the README's 1e-4."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def ref(reference_dir):
     return torch.load(reference_dir / "wholehead_small_ref.pt", map_location="cpu", weights_only=True)
 
@@ -95,7 +85,7 @@ def test_model_weights_are_the_non_ema_entry(reference_dir, ref):
     assert (eps - ref["eps"]).abs().max() > 1.0  # README: differs by up to 1.96
 
 
-def test_first_ddpm_step_of_the_trajectory(ema, ref, two_threads):
+def test_first_ddpm_step_of_the_trajectory(ema, ref, torch_threads):
     """The chain's first step (t = 249) with the original's x_T and injected noise, at a 250th of the full
     chain's cost (the full chain is the slow test below)."""
     sampler = DDPMSampler(ema.schedule)
@@ -106,7 +96,7 @@ def test_first_ddpm_step_of_the_trajectory(ema, ref, two_threads):
 
 
 @pytest.fixture(scope="module")
-def trajectory(ema, ref, two_threads):
+def trajectory(ema, ref, torch_threads):
     """The full 250-step chain with the original's injected noise; records x after t = 249, 125, 0."""
     seen = {}
 

@@ -68,7 +68,7 @@ def observable_globals() -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline():
+def baseline(torch_threads):
     x, t, target = tiny_batch()
     return train_step(RecipeStack([]), tiny_unet(), x, t, target)
 
