@@ -393,6 +393,7 @@ def test_a_bug_inside_build_keeps_its_type_and_a_config_error_names_the_node():
         _ = strict.b
 
 
+@pytest.mark.slow  # the same line as test_report.py's absent-folder case, which also checks nothing is created
 def test_report_of_a_folder_without_results_is_one_line(tmp_path):
     proc = run_cli("bench.report", f"dir={tmp_path / 'none'}", cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()

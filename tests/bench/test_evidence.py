@@ -11,10 +11,11 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from bench import evidence
+from bench import evidence, ladder
 from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, baseline_key, read_rows
 from bench.core.worker import base_row
 from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.config_checks import ConfigError
 
 STACKS = ("strict_fp32", "torch_defaults", "shipped")
 WORKLOADS = ("forward", "train_step", "ddpm250", "fast_sampler", "sampler25")
@@ -166,12 +167,14 @@ def test_the_command_lists_the_jobs_on_a_cpu(tmp_path):
     assert done.returncode == 0 and len(todo) == len(JOBS) and todo[0].startswith("[todo] forward.strict_fp32 ~")
 
 
-def test_a_run_on_a_machine_without_cuda_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=evidence", f"out={tmp_path}"],
-                          cwd=CONFIG_DIR.parent, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: preset=evidence: times GPU workloads and this machine shows no CUDA GPU; run it on a GPU machine, "
-        "pass preset=smoke here, or dry_run=true to list its jobs"]
+def test_a_run_on_a_machine_without_cuda_is_one_line(tmp_path, monkeypatch):
+    """The command's error (one line, exit 2: tests/bench/test_ladder.py runs bench.ladder's CLI), in-process."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^preset=evidence: times GPU workloads and this machine shows no CUDA GPU; "
+                                          r"run it on a GPU machine, pass preset=smoke here, or dry_run=true to list "
+                                          r"its jobs$"):
+        ladder.run(ladder_cfg(tmp_path))
+    assert not (tmp_path / RESULTS_FILE).exists()
 
 
 def test_make_bench_runs_the_evidence_preset_then_its_report():

@@ -157,6 +157,7 @@ def test_markdown_has_the_timeline_table_only_for_profiles_with_a_timeline():
     assert "| graphed | 0.090 | 0.028 | 0.062 | 0.002 ms in 1 | 0.060 ms in 1 | 60 | 3 |" in text
 
 
+@pytest.mark.slow  # bench.profile in its own process; tests/bench/test_profile_compare.py runs the command too
 def test_cpu_profile_end_to_end_has_categories_and_no_gpu_timeline(tmp_path):
     """``python -m bench.profile`` on the tiny smoke model: the record, profile.md and the bar chart are written;
     a CPU profile has operator self times, so no GPU timeline, and counts every operator call (a convolution runs

@@ -40,7 +40,12 @@ def experiment(config: str, name: str):
         return compose(config, overrides=[f"experiment={name}", required])
 
 
-@pytest.mark.parametrize("preset", sorted(set(presets.names()) - {"e2e", "evidence"}))  # CLI runs: test_e2e, test_evidence
+# e2e and evidence jobs are CLI runs (test_e2e, test_evidence); a GPU preset's 10 to 70 jobs take a composition each
+GPU_PRESETS = {"core", "gpu", "samplers", "targets"}
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=[pytest.mark.slow] if p in GPU_PRESETS else [])
+                                    for p in sorted(set(presets.names()) - {"e2e", "evidence"})])
 def test_every_job_composes_and_is_unique(preset, tmp_path):
     jobs = jobs_of(preset, tmp_path)
     assert jobs and all(not missing_recipes(job) for job in jobs)

@@ -34,7 +34,8 @@ def searched_grid():
 
 
 def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(tmp_path, searched_grid):
-    configs = [compose_job(job, tmp_path / str(n))["config"] for n, job in enumerate(jobs(tmp_path))]
+    composed = [compose_job(job, tmp_path / str(n)) for n, job in enumerate(jobs(tmp_path))]
+    configs = [c["config"] for c in composed]
     assert all(c["bench"]["quality"] and c["bench"]["scenario"] == "full_sample" and c["bench"]["batch_size"] == 32
                for c in configs)
     assert {c["quality"]["cache_dir"] for c in configs} == {str(tmp_path / "gate_cache")}  # preset=quality's
@@ -50,7 +51,7 @@ def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(t
     assert [(s["steps"], list(s["timesteps"])) for s in searched] == [
         (len(t := OmegaConf.load(f).timesteps), list(t)) for f in files]
     assert (4, [249, 120, 30, 2]) in [(s["steps"], list(s["timesteps"])) for s in searched]
-    rows = [base_row(compose_job(job, tmp_path / "x")) for job in jobs(tmp_path)]
+    rows = [base_row(c) for c in composed]
     assert "dpm_solver_pp(order=3,variant=sde,spacing=quadratic)" in {r["sampler"] for r in rows}
     assert len({(r["sampler"], r["steps"]) for r in rows}) == len(rows)  # a row's label and steps name its sampler
     restarts = [(c, r) for c, r in zip(configs, rows) if c["sampler"]["name"] == "restart"]

@@ -52,6 +52,7 @@ def test_the_command_times_the_kinds_asked_for(kinds, rows, tmp_path, capsys) ->
     assert capsys.readouterr().out.strip().endswith(str(tmp_path / "micro.json"))
 
 
+@pytest.mark.slow  # inductor compiles the form on the CPU
 def test_the_compiled_ndhwc_form_matches_groupnorm32() -> None:
     x = torch.randn(1, 64, 6, 6, 6)
     w, b = torch.randn(64), torch.randn(64)

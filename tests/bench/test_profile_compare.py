@@ -84,7 +84,9 @@ def test_committed_profiles_without_provenance_say_it_was_not_recorded(tmp_path)
     assert "## Change from d08bb6f to 895b99e (separate runs, not a same-run comparison)" in text
 
 
-@pytest.mark.parametrize("value", ["{a: PROFILE}", "[PROFILE,PROFILE]"])
+@pytest.mark.parametrize("value", [
+    pytest.param("{a: PROFILE}", marks=pytest.mark.slow),  # its message: test_bad_input_names_the_file, in-process
+    "[PROFILE,PROFILE]"])
 def test_one_entry_or_a_list_is_one_line_naming_the_option(tmp_path, value) -> None:
     """One NAME: PROFILE entry, or a list without names, ends in one line and exit 2, not a traceback."""
     good = _profile(tmp_path / "a.json", "fp32", 1.0)

@@ -155,7 +155,7 @@ def test_append_row_stamps_run_id_and_provenance(tmp_path, monkeypatch):
     assert records.run_id() == first != "run-x" and records.new_run() != first
 
 
-def test_commands_started_inside_a_run_keep_its_id(tmp_path):
+def test_commands_started_inside_a_run_keep_its_id(tmp_path, monkeypatch):
     """A shell script of several commands (one device call) exports one id: each command's launch keeps it, where a
     command started without one gets its own."""
     clean = {k: v for k, v in os.environ.items() if k != records.RUN_ID_ENV}
@@ -163,12 +163,13 @@ def test_commands_started_inside_a_run_keep_its_id(tmp_path):
                    cwd=records.ROOT, env={**clean, records.RUN_ID_ENV: "call-1"}, check=True, capture_output=True)
     assert read_rows(tmp_path / "counters.jsonl")[0]["run_id"] == "call-1"  # its launch's new_run() kept it
 
-    def launch(env: dict[str, str]) -> str:
-        code = "from bench.core import records; records.new_run(); print(records.new_run())"
-        return subprocess.run([sys.executable, "-c", code], cwd=records.ROOT, env=env, check=True,
-                              capture_output=True, text=True).stdout.strip()
+    def launch(inherited: str | None) -> str:  # a process that read ``inherited`` from its environment at start
+        monkeypatch.setattr(records, "INHERITED_RUN_ID", inherited)
+        monkeypatch.delenv(records.RUN_ID_ENV, raising=False)  # restored after the test
+        records.new_run()
+        return records.new_run()
 
-    assert launch({**clean, records.RUN_ID_ENV: "call-1"}) == "call-1" and launch(clean) != launch(clean)
+    assert launch("call-1") == "call-1" and launch(None) != launch(None)
 
 
 def test_stamp_gives_provenance_without_git_and_sees_later_edits(tmp_path, monkeypatch):

@@ -31,19 +31,17 @@ def identity(rows):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """The default-suite sweep: one good job, one injected OOM, no baseline given (so one is added)."""
-    return sweep(tmp_path_factory.mktemp("smoke"), "recipe=[amp_bf16]", "bench.inject=null,oom")
+    """The default-suite sweep: one job, an injected OOM, no baseline given (so one is added)."""
+    return sweep(tmp_path_factory.mktemp("smoke"), "recipe=[amp_bf16]", "bench.inject=oom")
 
 
 def test_smoke_sweep_rows_oom_and_added_baseline(smoke):
-    assert [(r["recipes"], r["status"]) for r in smoke] == [(["amp_bf16"], "ok"), (["amp_bf16"], "oom"), ([], "ok")]
-    good, oom, base = smoke
-    for r in (good, base):
-        assert r["ms_median"] > 0 and r["ms_p10"] <= r["ms_median"] <= r["ms_p90"]
-        assert r["volumes_per_s"] > 0 and r["flops"] > 0 and r["env"]["torch"] and r["message"] == ""
-        assert r["config"]["model"]["image_size"] == [8, 8, 8]
-    assert (good["precision"], base["precision"]) == ("bf16", "fp32")
-    assert good["describe"]["order"] == ["amp_bf16"] and base["describe"]["order"] == []
+    assert [(r["recipes"], r["status"]) for r in smoke] == [(["amp_bf16"], "oom"), ([], "ok")]
+    oom, base = smoke
+    assert base["ms_median"] > 0 and base["ms_p10"] <= base["ms_median"] <= base["ms_p90"]
+    assert base["volumes_per_s"] > 0 and base["flops"] > 0 and base["env"]["torch"] and base["message"] == ""
+    assert base["config"]["model"]["image_size"] == [8, 8, 8]
+    assert base["precision"] == "fp32" and base["describe"]["order"] == []
     assert "out of memory" in oom["message"] and oom["ms_median"] is None
     assert base["config"]["bench"]["inject"] is None  # the added baseline never inherits a fault
 
@@ -73,6 +71,8 @@ def test_a_recipe_inert_on_the_device_is_named_and_its_row_gets_no_speedup(tmp_p
         (row,) = measure([job], tmp_path / f"row{len(rows)}.json")
         rows.append({**row, "run_id": "r", "git_sha": "0" * 40})
     assert [r["inert_recipes"] for r in rows] == [[], ["tf32"], ["tf32"]]
+    assert [r["precision"] for r in rows] == ["fp32", "fp32", "bf16"]
+    assert rows[2]["describe"]["order"] == ["tf32", "amp_bf16"] and rows[2]["ms_median"] > 0
     base, tf32, both = report_rows(rows)
     assert tf32["speedup"] is None and tf32["message"] == "inert on cpu: tf32"
     assert both["speedup"] == pytest.approx(rows[0]["ms_median"] / rows[2]["ms_median"])

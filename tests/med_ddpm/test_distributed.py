@@ -75,6 +75,7 @@ def test_shard_and_keyed_draws_without_a_process_group():
     assert a.equal(b) and not a.equal(torch.randn(3, generator=distributed.keyed_generator("cpu", 0, 8)))
 
 
+@pytest.mark.slow  # two torchrun ranks, each a training command
 def test_two_ranks_equal_one_process_with_the_global_batch(ddp_run, tmp_path):
     fit(build(cfg_for("train", tmp_path, *COMMON, f"train.max_steps={STEPS}", "train.batch_size=2")))
     single = read_checkpoint(tmp_path / "checkpoints" / "last.pt")

@@ -90,6 +90,7 @@ def _full_size_float32_buffers(fn, c: int, monkeypatch) -> int:
     return len(float32_buffers(codes, "cpu", x.numel()))
 
 
+@pytest.mark.slow  # inductor compiles the forward and backward on the CPU
 def test_compiled_closed_form_backward_writes_no_full_size_float32_buffer(monkeypatch) -> None:
     """With inductor's realize_reads_threshold at 6 (compile's ``inductor`` option), the closed form
     compiles to a reduction and a pointwise pass with no float32 intermediate; autograd's form
