@@ -205,7 +205,8 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     stepping = [*common, "bench=denoise_step", "bench.batch_size=4"]
     yield [*stepping, "recipe=[]", "quality.candidate_seed=1"]
     controls = (("eps_scale", "factor", 1.01), ("eps_scale", "factor", 1.02), ("eps_scale", "factor", 1.05),
-                ("eps_scale", "factor", 1.10), ("eps_noise", "sigma", 0.05), ("skip_groupnorm", "index", 0))
+                ("eps_scale", "factor", 1.10), ("eps_noise", "sigma", 0.04), ("eps_noise", "sigma", 0.05),
+                ("skip_groupnorm", "index", 0))
     for control, option, value in controls:
         yield [*stepping, "recipe=[]", f"+control={control}", f"recipe.{control}.{option}={value}",
                "quality.trajectory=false"]
