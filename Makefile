@@ -41,7 +41,7 @@ lint: $(STAMP) ## ruff check
 
 demo: $(STAMP) ## train the tiny model on synthetic phantoms, sample, bench-smoke + report (reruns retrain)
 	@# train and sample refuse an output_dir holding an earlier run's results: a rerun starts them afresh;
-	@# the sweep keeps earlier runs' rows and its report shows the latest run's (bench.records run ids)
+	@# the sweep keeps earlier runs' rows and its report shows the latest run's (bench.core.records run ids)
 	rm -rf $(DEMO_DIR)/train $(DEMO_DIR)/samples
 	$(BIN)/python -m med_ddpm.train experiment=smoke output_dir=$(DEMO_DIR)/train
 	$(BIN)/python -m med_ddpm.sample experiment=smoke checkpoint=$(DEMO_DIR)/train/checkpoints/last.pt output_dir=$(DEMO_DIR)/samples
@@ -54,7 +54,7 @@ bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute
 	@cat $(SWEEP_DIR)/report.md
 
 stamp: $(STAMP) ## record git's commit in .provenance.json for a copy of this tree without .git (a GPU machine)
-	$(BIN)/python -m bench.records stamp
+	$(BIN)/python -m bench.stamp
 
 bench: $(STAMP) ## a benchmark ladder, preset=gpu unless LADDER_ARGS says (LADDER_ARGS='preset=core budget_s=540')
 	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)

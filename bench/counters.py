@@ -6,14 +6,14 @@ Example:
         bench=denoise_step 'model.image_size=[64,64,64]'
     python -m bench.counters experiment=fast_train counters.rules=true
 
-The job re-runs itself under ``ncu`` (:func:`bench.ncu.profile_command`): the child builds the real
-step (:func:`bench.scenarios.prepared_step`), makes ``counters.warmup`` calls (cuDNN autotune,
+The job re-runs itself under ``ncu`` (:func:`bench.core.ncu.profile_command`): the child builds the real
+step (:func:`bench.core.scenarios.prepared_step`), makes ``counters.warmup`` calls (cuDNN autotune,
 compilation and CUDA-graph capture happen there, unprofiled), then ``counters.steps`` calls inside
 the NVTX start/end range ``counters.range``; ncu replays every kernel launched in that range once
 per metric pass. The parent reads the report's raw page (and, with ``counters.rules``, its rule
 results) and writes into ``counters.out`` (Hydra's run and sweep dir follow it; unset: ``results/counters/<time>``):
 
-* a row in ``counters.jsonl`` (:func:`bench.records.append_row`: identity, env, config) whose
+* a row in ``counters.jsonl`` (:func:`bench.core.records.append_row`: identity, env, config) whose
   ``counters`` field holds, per step, the totals over all kernels and per kernel category
   (:func:`category`): SM cycles, warp instructions and their mix by pipe, IPC, tensor-pipe use,
   DRAM / L2 throughput, achieved occupancy, the top warp-stall reasons, ncu's rule speedups;
@@ -46,16 +46,18 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from bench import counter_claims, kernels, ncu
+from bench import counter_claims
+from bench.core import kernels, ncu
+from bench.core.records import append_row, job_key, read_rows
+from bench.core.runner import job_spec
+from bench.core.scenarios import prepared_step
+from bench.core.worker import base_row
 from bench.counter_claims import ROWS_FILE
 from bench.profile import profile_label, slug
-from bench.records import append_row, job_key, read_rows
-from bench.scenarios import prepared_step
-from bench.sweep import job_spec, sweep_dir_of
-from bench.timing import synchronize
-from bench.worker import base_row
+from bench.sweep import sweep_dir_of
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
+from med_ddpm.run_clock import synchronize
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 
@@ -84,7 +86,7 @@ _STARTED: list[float] = []  # when the first job of this process began (counters
 
 # ---------------------------------------------------------------------------- kernel categories
 def category(name: str) -> str:
-    """Kernel category of one (demangled) kernel name: :func:`bench.kernels.categorise`, with convolutions
+    """Kernel category of one (demangled) kernel name: :func:`bench.core.kernels.categorise`, with convolutions
     split by direction, GEMM apart from attention, and the optimizer's kernels apart from elementwise."""
     if OPTIMIZER.search(name) and not kernels.INDUCTOR.search(name):
         return "optimizer"

@@ -3,7 +3,7 @@
 Every rank times :func:`med_ddpm.train.train_step` (forward, loss, ``no_sync`` micro-steps,
 backward with DDP's gradient all-reduce, Adam, the all-reduced loss, rank 0's EMA update) on one batch held in
 memory, so the input pipeline is not measured. Rank 0 appends one ``results.jsonl`` row
-(:mod:`bench.records` schema, ``scenario="ddp_train_step"``) with:
+(:mod:`bench.core.records` schema, ``scenario="ddp_train_step"``) with:
 
 * ``ms_median`` of the slowest rank (the ranks wait for each other in the all-reduce),
   ``ms_median_per_rank``;
@@ -36,12 +36,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.data import default_collate
 
-from bench import worker
-from bench.records import RESULTS_FILE, RUN_ID_ENV, append_row, job_key, read_rows, run_id
-from bench.sweep import job_spec
-from bench.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
+from bench.core import worker
+from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, job_key, read_rows, run_id
+from bench.core.runner import job_spec
+from bench.core.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from med_ddpm import cli, distributed
-from med_ddpm.train import Job, build, check_options, train_step
+from med_ddpm.train import build, check_options, train_step
+from med_ddpm.train_state import Job
 from med_ddpm.utils import env_info
 
 SCENARIO = "ddp_train_step"
@@ -84,7 +85,7 @@ def baseline_volumes_per_s(path: Path, row: dict[str, Any]) -> tuple[float | Non
 
 
 def base_row(cfg: DictConfig, model_name: str | None, world: int) -> dict[str, Any]:
-    """:func:`bench.worker.base_row` of the training step this run times, as scenario ``ddp_train_step``."""
+    """:func:`bench.core.worker.base_row` of the training step this run times, as scenario ``ddp_train_step``."""
     job = job_spec(cfg, model_name)
     step = {**job, "config": {**job["config"], "bench": {"scenario": "train_step"}}}
     return worker.base_row(step) | {"scenario": SCENARIO, "world_size": world, "message": "", "config": job["config"]}

@@ -4,7 +4,7 @@ The step benchmarks (``bench.sweep``, ``bench.ladder``) time one warmed-up step.
 and library imports, CUDA initialisation, loading data or a checkpoint, compilation and cuDNN autotuning,
 writing NIfTI files, waiting for data. Each job here runs ``python -m med_ddpm.sample`` or
 ``python -m med_ddpm.train`` in a fresh process, as a user would, reads the ``timings.json`` the command
-writes (:mod:`med_ddpm.timings`) and appends one row to ``<out>/results.jsonl``.
+writes (:mod:`med_ddpm.run_clock`) and appends one row to ``<out>/results.jsonl``.
 
 Example (the jobs of :func:`bench.ladder.e2e_ladder`; ``only=REGEX`` picks some):
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
@@ -18,7 +18,7 @@ of ``masks_dir`` (default ``<data_root>/mask``); training uses ``data_root``, an
 written at the model size unless ``brats_root`` is given. ``<out>/e2e.md`` tabulates the rows (``bench.report`` rewrites it, and points report.md to it). Resumable: a job whose row is in results.jsonl is
 skipped; ``budget_s`` stops starting jobs once spent, and a job it cuts short leaves no row.
 
-Row fields beyond the common ones (:mod:`bench.records`), all seconds unless named otherwise:
+Row fields beyond the common ones (:mod:`bench.core.records`), all seconds unless named otherwise:
 
 =====================  ===================================================================================
 e2e                    the job, as its strings joined by spaces (its identity)
@@ -46,12 +46,9 @@ import_s               with ``import_times=true``: seconds per package of the co
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import statistics
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -60,13 +57,13 @@ from typing import Any
 
 from hydra import compose
 
-from bench import process_group
-from bench.records import RESULTS_FILE, append_row, code_label, read_rows
-from bench.worker import OOM_PATTERN, STDERR_TAIL
+from bench.core.records import RESULTS_FILE, append_row, code_label, read_rows
+from bench.core.subprocesses import spawn
+from bench.core.worker import OOM_PATTERN
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
-from med_ddpm.phantoms import write_phantom_niftis
-from med_ddpm.timings import TIMINGS_FILE
+from med_ddpm.config_checks import ConfigError
+from med_ddpm.data.phantoms import write_phantom_niftis
+from med_ddpm.run_clock import TIMINGS_FILE
 from med_ddpm.utils import atomic_write_text, env_info
 
 E2E_MD = "e2e.md"
@@ -74,7 +71,6 @@ E2E_MD = "e2e.md"
 JOB_KEYS = ("scenario", "compile_cache", "masks")
 SCENARIOS = ("e2e_sample", "e2e_train")
 BRATS_SIZE = (144, 192, 192)  # (D, H, W): the original BraTS model's size
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # a cold job's caches must be its own
 JOB_LIMIT_S = 480.0  # one job's own time limit (its warm-up run and its timed run each)
 IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| (\s*)(\S+)\s*$")  # self us | cumulative us | name
 IMPORT_GROUPS = 8  # packages listed in a row's import_s; the rest are summed as "other"
@@ -131,26 +127,6 @@ def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
     elif not any((cache_dir / "compile").glob("*.bin")):
         run(timed=False)
-
-
-def spawn(argv: list[str], cache_dir: Path, log: Path, timeout_s: float | None,
-          env_extra: Mapping[str, str] | None = None, importtime: bool = False) -> tuple[int | None, float, str]:
-    """Run ``python -m <argv>`` with its caches in ``cache_dir`` (and ``env_extra`` set, e.g. the GPU it may see);
-    (exit code or None on timeout, wall s, log tail). The command runs in its own process group, so a timeout
-    kills its compile and data-loader workers with it, and no orphan keeps a GPU busy
-    (:mod:`bench.process_group`, which also stops it when bench is stopped).
-
-    ``importtime``: the command logs each import's time (``python -X importtime``: a flag, not the environment
-    variable, so torch.compile's worker processes do not log theirs); the tail leaves those lines out."""
-    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    env.update(MED_DDPM_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
-    env.update(env_extra or {})
-    start = time.time()
-    with log.open("w") as out:
-        code, _ = process_group.run([sys.executable, *(["-X", "importtime"] if importtime else []), "-m", *argv],
-                                    timeout_s, stdout=out, stderr=subprocess.STDOUT, env=env)
-    said = [line for line in log.read_text(errors="replace").splitlines(True) if not line.startswith("import time:")]
-    return code, time.time() - start, "".join(said)[-STDERR_TAIL:]
 
 
 def import_seconds(log: str) -> dict[str, float]:

@@ -45,10 +45,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from bench import kernels
-from bench.timing import time_fn
+from bench.core import kernels
+from bench.core.timing import time_fn
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError, check_bool, read_json_option
+from med_ddpm.config_checks import ConfigError, check_bool, read_json_option
 from med_ddpm.model import build_model
 from med_ddpm.utils import atomic_write_text, env_info
 
@@ -108,7 +108,7 @@ def measure_peaks(device: torch.device, n: int = MATMUL_N, nbytes: int = COPY_BY
 def measured_ms(profile: Mapping[str, Any]) -> dict[str, float]:
     """The profile's ms per step in the floor's rows (keys of :data:`ROWS`)."""
     cats = profile["categories_ms"]
-    conv = cats["convolution"]  # bench.kernels names: a renamed category fails here, not as a silent 0
+    conv = cats["convolution"]  # bench.core.kernels names: a renamed category fails here, not as a silent 0
     norm = sum(cats[c] for c in NORM_CATEGORIES)
     return {"convolution": conv, "groupnorm": norm, "rest": profile["total_ms"] - conv - norm}
 

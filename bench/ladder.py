@@ -18,7 +18,7 @@ fast samplers), ``core`` (the same evidence in one device session), ``targets`` 
 and ``experiment=fast_train`` against strict FP32), ``quality`` (the quality gate next to the time),
 ``quality_pair`` (the gate between two checkpoints), ``samplers`` (few-step samplers gated on the quality
 model). :data:`COMMAND_PRESETS` run real commands in fresh
-processes instead of step jobs: ``e2e`` (:mod:`bench.e2e`) and ``quality_training`` (:mod:`bench.quality_training`).
+processes instead of step jobs: ``e2e`` (:mod:`bench.e2e`) and ``quality_training`` (:mod:`bench.quality.training`).
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
 than one 10-minute device command is finished by running the same command again. The time
@@ -29,7 +29,7 @@ the ladder moves on. Jobs run in importance order.
 Each job is a list of Hydra overrides of ``configs/bench.yaml``, composed with Hydra's compose API
 and measured by the same subprocess worker as ``bench.sweep``. A job that times an experiment's
 stack names the experiment (``experiment=fast_train``), so the stack has one source: its config.
-The strict-FP32 baseline of every workload is in the ladder (and :class:`bench.sweep.EnsureBaseline`
+The strict-FP32 baseline of every workload is in the ladder (and :class:`bench.core.runner.EnsureBaseline`
 adds any that a cut run missed).
 """
 
@@ -37,25 +37,24 @@ from __future__ import annotations
 
 import math
 import re
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra import compose
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from bench.process_group import stopped_together
-from bench.records import RESULTS_FILE, append_row, baseline_key, is_baseline, job_key, provenance, read_rows
-from bench.sweep import CONFIG_DIR, EnsureBaseline, job_spec, log_row
-from bench.worker import base_row, cut_by_budget, run_job
+from bench.core.runner import Job, experiment_stack, recipe_override, run_ladder
+from bench.core.subprocesses import stopped_together
+from bench.e2e import run as run_commands
+from bench.quality.training import quality_pair_ladder, visible_gpus
+from bench.quality.training import run as train_and_gate
+from bench.quality.training_report import write_training_report
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError, check_int, check_number
+from med_ddpm.config_checks import ConfigError, check_int, check_number
 from med_ddpm.model import INPUT_CONV
 
 Stack = tuple[str, ...]
-Job = list[str]  # Hydra overrides of configs/bench.yaml
 # Each single recipe, then the combinations the seed study asks about.
 RECIPE_SETS: tuple[Stack, ...] = (
     (), ("tf32",), ("channels_last_3d",), ("tf32", "channels_last_3d"), ("cudnn_benchmark",),
@@ -69,10 +68,6 @@ DDPM_250 = ["sampler=ddpm", "sampler.steps=250", "~sampler.variant"]  # DDPM-250
 FP32_SAMPLE = ["bench=full_sample", "sampler=ddpm", "recipe=[]", "bench.iters=1", "bench.warmup=0"]  # ~50 s at 128^3
 
 
-def _recipe(stack: Stack) -> str:
-    return f"recipe=[{','.join(stack)}]"
-
-
 def _unique(stacks: list[Stack]) -> list[Stack]:
     return list(dict.fromkeys(stacks))
 
@@ -82,20 +77,20 @@ def gpu_ladder(best: Stack) -> Iterator[Job]:
     sets = _unique([*RECIPE_SETS, best])
     for scenario in ("denoise_step", "train_step"):
         for stack in sets:
-            yield [f"bench={scenario}", _recipe(stack)]
+            yield [f"bench={scenario}", recipe_override(stack)]
     for stack in _unique([(), ("tf32",), ("amp_bf16",), best]):
-        yield ["bench=full_sample", "sampler=ddpm", _recipe(stack), "bench.iters=3"]
+        yield ["bench=full_sample", "sampler=ddpm", recipe_override(stack), "bench.iters=3"]
     for scenario in ("train_step", "denoise_step"):
         for batch in BATCHES:
             for stack in _unique([(), ("amp_bf16",), best]):
-                yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
+                yield [f"bench={scenario}", f"bench.batch_size={batch}", recipe_override(stack)]
     brats_sets = [(), ("amp_bf16", "checkpointing"), (*best, "checkpointing"), best]
     for stack in _unique(brats_sets):
-        yield ["model=medddpm_brats", "bench=train_step", _recipe(stack)]
+        yield ["model=medddpm_brats", "bench=train_step", recipe_override(stack)]
     for sampler in ("ddim", "dpm_solver_pp", "deis"):
         for steps in FAST_SAMPLER_STEPS:
             for stack in _unique([(), best]):
-                yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", _recipe(stack)]
+                yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", recipe_override(stack)]
 
 
 CORE_SETS: tuple[Stack, ...] = (
@@ -109,15 +104,15 @@ def core_ladder(best: Stack) -> Iterator[Job]:
     best stack, batch scaling and BraTS memory, in one device session."""
     for scenario in ("denoise_step", "train_step"):
         for stack in _unique([*CORE_SETS, best]):
-            yield [f"bench={scenario}", _recipe(stack)]
-    yield ["bench=full_sample", "sampler=ddpm", _recipe(best), "bench.iters=3"]
+            yield [f"bench={scenario}", recipe_override(stack)]
+    yield ["bench=full_sample", "sampler=ddpm", recipe_override(best), "bench.iters=3"]
     for sampler, steps in (("dpm_solver_pp", 10), ("dpm_solver_pp", 25), ("ddim", 25)):
-        yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", _recipe(best)]
+        yield ["bench=full_sample", f"sampler={sampler}", f"sampler.steps={steps}", recipe_override(best)]
     for scenario in ("train_step", "denoise_step"):
         for batch in BATCHES:
-            yield [f"bench={scenario}", f"bench.batch_size={batch}", _recipe(best)]
-    yield ["model=medddpm_brats", "bench=train_step", _recipe((*best, "checkpointing"))]
-    yield ["model=medddpm_brats", "bench=train_step", _recipe(("amp_bf16", "checkpointing"))]
+            yield [f"bench={scenario}", f"bench.batch_size={batch}", recipe_override(best)]
+    yield ["model=medddpm_brats", "bench=train_step", recipe_override((*best, "checkpointing"))]
+    yield ["model=medddpm_brats", "bench=train_step", recipe_override(("amp_bf16", "checkpointing"))]
     yield FP32_SAMPLE
 
 
@@ -154,23 +149,6 @@ def experiment_train_settings(experiment: str) -> list[str]:
     return [f"train.batch_size={train.batch_size}", f"train.grad_accum={train.grad_accum}"]
 
 
-def experiment_stack(experiment: str, swap: Mapping[str, str] | None = None) -> list[str]:
-    """``experiment``'s recipe stack (read from its config, the one source), each recipe named in ``swap`` replaced
-    by its value: the stack as ``recipe=[...]`` plus every option the experiment sets on the recipes it keeps."""
-    swap = swap or {}
-    shipped = _recipes_of([f"experiment={experiment}"])
-    names = tuple(swap.get(name, name) for name in shipped)
-    plain = _recipes_of([_recipe(names)])
-    options = [f"recipe.{name}.{key}={value}" for name in shipped if name not in swap
-               for key, value in shipped[name].items() if plain[name].get(key) != value]
-    return [_recipe(names), *options]
-
-
-def _recipes_of(overrides: list[str]) -> DictConfig:
-    with cli.configs():
-        return compose("bench", overrides=[*overrides, "output_dir=."]).recipe
-
-
 def fast_sample_precisions() -> tuple[list[str], ...]:
     """``experiment=fast_sample`` (fp16 autocast) with ``amp_bf16`` in its place, and that bf16 stack with its first
     convolution (which reads x_t) kept in fp32: the overrides of each."""
@@ -196,7 +174,7 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
     """The gate's verdict next to the time on the quality model (``experiment=quality_model`` weights, 64^3),
     N = ``quality.n_samples`` (32: 8 masks x 4 seeds) against strict-FP32 DDPM-250, the reference cached for the
     whole ladder. First what proves the gate (strict FP32 with another seed must pass; the negative controls of
-    :mod:`bench.controls`, probed on the reference's x_t, must fail from a 2 % eps scale on), then the exact FP32
+    :mod:`bench.quality.controls`, probed on the reference's x_t, must fail from a 2 % eps scale on), then the exact FP32
     recipes, ``experiment=fast_sample`` exactly as shipped (fp16), its bf16 variant, that bf16 stack with the
     first convolution (which reads x_t) kept in fp32, and DDPM without the x0 clipping.
     The gate's cost is its trajectories at batch N, so the cheap probe-only controls run early and a short budget
@@ -211,26 +189,13 @@ def quality_ladder(checkpoint: str | None) -> Iterator[Job]:
         yield [*stepping, "recipe=[]", f"+control={control}", f"recipe.{control}.{option}={value}",
                "quality.trajectory=false"]
     for stack in (("tf32",), ("channels_last_3d",)):
-        yield [*stepping, _recipe(stack)]
+        yield [*stepping, recipe_override(stack)]
     sampling = [*common, *GATED_SAMPLING]
     yield [*sampling, "experiment=fast_sample"]
     for variant in fast_sample_precisions():
         yield [*sampling, "experiment=fast_sample", *variant]
     yield [*common, "bench=full_sample", "bench.batch_size=4", "bench.warmup=0", "bench.iters=1", "sampler=ddpm",
            "+sampler.clip_denoised=false", "recipe=[]"]
-
-
-def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterator[Job]:
-    """Two checkpoints of the quality model gated against each other (``quality.candidate_checkpoint``): the
-    reference's EMA weights and the candidate's, both strict-FP32 DDPM-250 with the same N masks and noise, so
-    only the weights differ. The row's time is the reference's FP32 forward. ``preset=quality_training`` trains
-    such a pair (strict FP32 and ``experiment=fast_train``'s stack) and gates it with this preset."""
-    if reference is None or candidate is None:
-        raise ConfigError("checkpoint, candidate_checkpoint: preset=quality_pair gates two sets of weights; pass "
-                          "checkpoint=PATH (the reference's) and candidate_checkpoint=PATH")
-    yield ["model=quality_model", "bench=denoise_step", "bench.batch_size=4", "bench.warmup=1", "bench.iters=3",
-           "recipe=[]", "sampler=ddpm", "bench.quality=true", f"bench.checkpoint={reference}",
-           f"quality.candidate_checkpoint={candidate}"]
 
 
 # Restart sampling on the 13-step quadratic main pass (t_min is one of its points), 25 model calls each:
@@ -244,8 +209,8 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
     exactly as the quality preset gates it (batch N, the same reference cache): SDE-DPM-Solver++ 2M and 3M on the
     trailing and quadratic grids at 25, 10 and 50 model calls, then every searched grid in
     ``configs/sampler/ays_*.yaml`` (written by :mod:`med_ddpm.step_search`), then restart sampling
-    (:mod:`med_ddpm.restart`) at 25 calls over the ODE and the SDE solver (``RESTARTS``), then SA-Solver
-    (:mod:`med_ddpm.sa_solver`, τ = 1) at 25 and 10 calls with predictor and corrector of order 2 and 3, and last
+    (:mod:`med_ddpm.samplers.restart_sampler`) at 25 calls over the ODE and the SDE solver (``RESTARTS``), then SA-Solver
+    (:mod:`med_ddpm.samplers.sa_solver`, τ = 1) at 25 and 10 calls with predictor and corrector of order 2 and 3, and last
     ``experiment=fast_sample``'s own 100-step sampler, so the calls-vs-quality plot spans what ships. The aim: a
     sampler that passes at 25 calls or fewer."""
     gated = [*quality_model_gate("samplers", checkpoint), *GATED_SAMPLING, "experiment=fast_sample"]
@@ -253,7 +218,7 @@ def samplers_ladder(checkpoint: str | None) -> Iterator[Job]:
         for order in (2, 3):
             for spacing in ("trailing", "quadratic"):
                 yield [*gated, f"sampler.steps={steps}", f"sampler.order={order}", f"sampler.spacing={spacing}"]
-    for path in sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml")):
+    for path in sorted((cli.CONFIG_DIR / "sampler").glob("ays_*.yaml")):
         yield [*gated, f"sampler={path.stem}", f"sampler.steps={len(OmegaConf.load(path).timesteps)}"]
     for variant in ("ode", "sde"):
         for t_min, t_max, restarts, restart_steps in RESTARTS:
@@ -271,7 +236,7 @@ def smoke_ladder(best: Stack) -> Iterator[Job]:
     for scenario in ("train_step", "denoise_step"):
         for stack in _unique([(), best]):
             for batch in (1, 2):
-                yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", _recipe(stack)]
+                yield ["experiment=bench_smoke", f"bench={scenario}", f"bench.batch_size={batch}", recipe_override(stack)]
 
 
 AOT = "recipe.compile_cudagraphs.aot=true"  # both fast experiments compile with compile_cudagraphs
@@ -315,97 +280,6 @@ PRESETS: dict[str, Callable[[DictConfig], Iterable[Job]]] = {
 }
 
 
-def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:
-    """Compose one ladder entry into a worker job (the same config ``bench.sweep`` would build)."""
-    with cli.configs():
-        cfg = compose("bench", overrides=[*overrides, f"output_dir={job_dir}"], return_hydra_config=True)
-    model = cfg.hydra.runtime.choices.model
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return job_spec(cfg, model)
-
-
-def missing_recipes(overrides: Job) -> list[str]:
-    """Recipe names of a job that have no ``configs/recipe/<name>.yaml`` (the job is skipped)."""
-    stack = next((o for o in overrides if o.startswith("recipe=")), "recipe=[]")
-    names = [n for n in stack.removeprefix("recipe=[").removesuffix("]").split(",") if n]
-    return [n for n in names if not (CONFIG_DIR / "recipe" / f"{n}.yaml").exists()]
-
-
-def finished_jobs(out: Path, refresh: str | None) -> tuple[set[str], set[str]]:
-    """Job keys with a row in ``out``: any row, and rows measured by this commit, clean (``git_sha``, ``dirty``).
-
-    ``refresh`` jobs count as done only with a row of this code, so after a code change
-    ``refresh=REGEX`` re-measures the jobs it names (old rows stay, each labelled with its
-    commit in the report) and a resumed run does not measure them twice.
-    """
-    rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
-    sha = provenance()["git_sha"]
-    return ({job_key(r) for r in rows},
-            {job_key(r) for r in rows if refresh and r.get("git_sha") == sha and not r.get("dirty")})
-
-
-def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False, refresh: str | None = None,
-               complete_baselines: bool = True) -> int:
-    """Run the jobs not yet in ``out/results.jsonl`` until the budget is spent; return jobs left.
-
-    A speed-up is only ever against the strict-FP32 row of the same run (one launch), so before the first job
-    of a workload that this launch measures, the workload's baseline job is measured too, even when an earlier
-    (cut) launch already has a row for it: a resumed ladder's rows get their own baseline. A strict-FP32 job is
-    its workload's baseline itself, so two of one workload (two checkpoints gated against one reference) are each
-    measured once.
-
-    ``refresh``: a regex over a job's overrides; matching jobs rerun unless this code measured them.
-    ``complete_baselines``: spend what is left of the budget on strict-FP32 baselines the results miss.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    done, current = finished_jobs(out, refresh)
-    start, left = time.monotonic(), 0
-    specs = {n: compose_job(o, out / "jobs" / f"{n:03d}") for n, o in enumerate(jobs) if not missing_recipes(o)}
-    baselines = {baseline_key(base_row(spec)): n for n, spec in specs.items() if is_baseline(base_row(spec))}
-    measured: set[str] = set()  # workloads whose baseline this launch measured
-    ran: set[int] = set()  # jobs this launch measured
-
-    def measure(n: int) -> bool:
-        """Run job ``n``; False when the budget ran out (no row)."""
-        remaining = budget_s - (time.monotonic() - start)
-        full = float(specs[n]["config"]["bench"]["timeout_s"])
-        timeout = min(full, remaining)
-        row = run_job(specs[n], out / "jobs" / f"{n:03d}", timeout)
-        if cut_by_budget(row, timeout, full, budget_s):
-            print(f"[cut] {' '.join(jobs[n])}: the time budget ran out; rerun to measure it")
-            return False
-        append_row(out / RESULTS_FILE, row)
-        log_row(row)
-        ran.add(n)
-        if is_baseline(row):
-            measured.add(baseline_key(row))
-        return True
-
-    for n, overrides in enumerate(jobs):
-        if n not in specs:
-            print(f"[skip] {' '.join(overrides)}: no recipe config for {missing_recipes(overrides)}")
-            continue
-        key = baseline_key(base_row(specs[n]))
-        stale_ok = not (refresh and re.search(refresh, " ".join(overrides)))
-        if job_key(base_row(specs[n])) in (done if stale_ok else current) or n in ran:
-            continue
-        if dry_run or budget_s - (time.monotonic() - start) <= 0:
-            left += 1
-            print(f"[todo] {' '.join(overrides)}")
-            continue
-        needs_baseline = key in baselines and key not in measured and not is_baseline(base_row(specs[n]))
-        if needs_baseline and not measure(baselines[key]):
-            left += 1
-            continue
-        if not measure(n):
-            left += 1
-    if complete_baselines and not dry_run and budget_s - (time.monotonic() - start) > 0:
-        EnsureBaseline.complete(out, budget_s - (time.monotonic() - start))
-    print(f"ladder: {left} job(s) left{' (rerun the same command to continue)' if left else ''}")
-    return left
-
-
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
     """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
     if not cfg.e2e.data_root and not cfg.dry_run:  # a dry run lists the jobs and reads no data
@@ -420,8 +294,6 @@ def e2e_args(cfg: DictConfig) -> dict[str, str]:
 
 
 def run_e2e(cfg: DictConfig) -> int:
-    from bench.e2e import run as run_commands
-
     args, jobs = e2e_args(cfg), ladder_jobs(cfg)
     if not cfg.dry_run:
         require_gpu(cfg.preset)
@@ -429,10 +301,6 @@ def run_e2e(cfg: DictConfig) -> int:
 
 
 def run_quality_training(cfg: DictConfig) -> int:
-    from bench.quality_training import run as train_and_gate
-    from bench.quality_training import visible_gpus
-    from bench.training_report import write_training_report
-
     q = cfg.quality_training
     steps = check_int(cfg, "quality_training.steps", 1)
     gpus = check_int(cfg, "quality_training.gpus", 1)

@@ -47,9 +47,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from bench.timing import time_fn
+from bench.core.timing import time_fn
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError, check_bool, check_int, check_one_of
+from med_ddpm.config_checks import ConfigError, check_bool, check_int, check_one_of
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim.cudnn_benchmark import cudnn_benchmark_enabled
 from optim.fused_groupnorm import (

@@ -12,7 +12,7 @@ FP32 of:
 Groups: ``groupnorm`` (every GroupNorm), ``time_embedding`` (the timestep MLP), ``attention`` (the attention
 blocks), ``output_conv`` (the final GroupNorm + SiLU + conv), ``input_conv`` (the first conv, which reads
 x_t), ``residual_convs`` (every other Conv3d). The error is the relative L2 of ε and the per-sample slope of ε
-on the FP32 ε (a scale bias: see :mod:`med_ddpm.gate`). The remainder not explained by any group is
+on the FP32 ε (a scale bias: see :mod:`med_ddpm.quality.gate`). The remainder not explained by any group is
 accumulation across groups.
 
 Run (options in configs/precision_attribution.yaml; docs/quality.md)::
@@ -36,13 +36,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from bench.records import provenance
+from bench.core.records import provenance
 from med_ddpm import cli
-from med_ddpm.errors import check_choice, check_device, check_int
+from med_ddpm.config_checks import check_choice, check_device, check_int
+from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.model import INPUT_CONV
-from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.quality import gate_model
-from med_ddpm.stats import per_sample_fit
+from med_ddpm.quality.probe import gate_model
+from med_ddpm.quality.stats import per_sample_fit
 from med_ddpm.utils import atomic_write_text, env_info, json_safe, resolve_device
 
 GROUPS: dict[str, Callable[[str, nn.Module], bool]] = {

@@ -7,9 +7,9 @@ Example:
     python -m bench.profile 'profile.compare={before: a/denoise_step_fp32.json, after: b/denoise_step_fp32.json}' \
         profile.out=results/compare                                             # saved profiles side by side
 
-Runs the real step (:func:`bench.scenarios.prepared_step`) for ``profile.warmup`` untimed and
+Runs the real step (:func:`bench.core.scenarios.prepared_step`) for ``profile.warmup`` untimed and
 ``profile.steps`` profiled calls under ``torch.profiler`` and attributes the time to kernel
-categories (:mod:`bench.kernels`): on CUDA the GPU time of every kernel and memcpy/memset, on
+categories (:mod:`bench.core.kernels`): on CUDA the GPU time of every kernel and memcpy/memset, on
 CPU each operator call's self time; the top kernels' calls are counted per step on both. Writes into
 ``profile.out`` (Hydra's run and sweep dir follow it; unset: ``output_dir``, else ``results/bench/<time>``): ``<label>.json`` per
 stack (with the network's config, the batch and the network calls per step, which ``bench.floor``
@@ -45,13 +45,14 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from bench import kernels, ncu
-from bench.records import UNKNOWN, code_label, provenance, recipe_label, run_id
-from bench.scenarios import batch_size, model_calls, prepared_step
-from bench.sweep import job_spec, sweep_dir_of
-from bench.timing import synchronize
+from bench.core import kernels, ncu
+from bench.core.records import UNKNOWN, code_label, provenance, recipe_label, run_id
+from bench.core.runner import job_spec
+from bench.core.scenarios import batch_size, model_calls, prepared_step
+from bench.sweep import sweep_dir_of
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
+from med_ddpm.run_clock import synchronize
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 SLUG_MAX = 160  # file names: 255 bytes at most, and atomic_write adds a dot, a random part and .json.tmp
@@ -88,7 +89,7 @@ def _gpu_events(prof: torch.profiler.profile) -> list[Any]:
 def _cpu_events(prof: torch.profiler.profile) -> list[tuple[str, float]]:
     """(name, µs) of every operator call's self CPU time: the breakdown on a CPU, where there are no kernels.
 
-    One pair per call, as :func:`_gpu_events` gives one per kernel launch, so that :func:`bench.kernels.aggregate`
+    One pair per call, as :func:`_gpu_events` gives one per kernel launch, so that :func:`bench.core.kernels.aggregate`
     counts the calls (``key_averages()`` has one entry per name: every count would read 1)."""
     return [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
 
@@ -96,7 +97,7 @@ def _cpu_events(prof: torch.profiler.profile) -> list[tuple[str, float]]:
 def profile_step(cfg: dict[str, Any], device: torch.device) -> tuple[list[tuple[str, float]], dict[str, str],
                                                                      dict[str, float] | None]:
     """Warm up, then record ``profile.steps`` calls of the scenario's step: the events, per GPU
-    kernel its launching operator, and (on CUDA) the steps' GPU timeline (:func:`bench.kernels.timeline`)."""
+    kernel its launching operator, and (on CUDA) the steps' GPU timeline (:func:`bench.core.kernels.timeline`)."""
     p = cfg["profile"]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -122,7 +123,7 @@ def summarise(events: list[tuple[str, float]], job: dict[str, Any], device: torc
     """The JSON record of one profiled stack: what ran (the network's config, the batch and the network
     calls per step), per-category ms/step, top kernels (with their launching operator where known),
     Tensor-Core share, the GPU timeline where there is one, and where it ran: this launch's ``run_id``, the
-    commit (``git_sha``, ``dirty``: :func:`bench.records.provenance`) and the environment (``env``)."""
+    commit (``git_sha``, ``dirty``: :func:`bench.core.records.provenance`) and the environment (``env``)."""
     cfg = job["config"]
     steps = int(cfg["profile"]["steps"])
     times, counts = kernels.aggregate(events)
@@ -182,7 +183,7 @@ def compare_problem(named: Any) -> str | None:
 
 def load_named(named: Any) -> list[dict]:
     """Saved profiles, each relabelled with its name (its recipes kept as ``stack``); a value that is not two or
-    more named files, or a file that is not a profile, is a :class:`~med_ddpm.errors.ConfigError` naming it."""
+    more named files, or a file that is not a profile, is a :class:`~med_ddpm.config_checks.ConfigError` naming it."""
     problem = compare_problem(named)
     if problem:
         raise ConfigError(f"profile.compare: {problem}; {COMPARE_FIX}")
@@ -277,7 +278,7 @@ def ncu_kernel_regex(top: list[dict], k: int) -> str:
 
 
 def run_ncu(cfg: dict[str, Any], record: dict, out: Path) -> list[dict[str, str | float | None]]:
-    """Profile the top kernels under ncu in a short subprocess run of the same job (:mod:`bench.ncu` runs it
+    """Profile the top kernels under ncu in a short subprocess run of the same job (:mod:`bench.core.ncu` runs it
     and reads its raw page: values in ns and plain counts)."""
     p = cfg["profile"]
     job = json.loads(json.dumps({"config": cfg, "model": record["label"], "recipes": []}))
@@ -288,7 +289,7 @@ def run_ncu(cfg: dict[str, Any], record: dict, out: Path) -> list[dict[str, str 
            "--page", "raw", "--metrics", ",".join(p["ncu_metrics"]),
            "--kernel-name", f"regex:{ncu_kernel_regex(record['top'], int(p['ncu_kernels']))}",
            "--launch-count", str(int(p["ncu_launches"])),
-           sys.executable, "-m", "bench.worker", str(job_path), str(out / f"ncu_row_{slug(record)}.json")]
+           sys.executable, "-m", "bench.core.worker", str(job_path), str(out / f"ncu_row_{slug(record)}.json")]
     run = ncu.run(cmd, timeout_s=float(p["ncu_timeout_s"]), log_path=out / f"ncu_{slug(record)}.log")
     if run.returncode is None:
         raise TimeoutError(f"ncu ran past profile.ncu_timeout_s={p['ncu_timeout_s']}")

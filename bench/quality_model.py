@@ -26,51 +26,22 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from bench.records import provenance
-from bench.sweep import CONFIG_DIR
+from bench.core.records import provenance
+from bench.quality.validation import held_out_phantoms, validation_loss
 from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
-from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS
-from med_ddpm.errors import CheckpointError, ConfigError, check_int
-from med_ddpm.evaluate import distribution_metrics, diversity, save_montage
-from med_ddpm.features import RandomConv3dFeatures
-from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.quality import fixed_noise
+from med_ddpm.config_checks import CheckpointError, ConfigError, check_int
+from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.data.volume_io import save_montage_png
+from med_ddpm.quality.evaluate import distribution_metrics, diversity, save_montage
+from med_ddpm.quality.features import RandomConv3dFeatures
+from med_ddpm.quality.probe import fixed_noise
 from med_ddpm.samplers import DDPMSampler, sample
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
-from med_ddpm.volume_io import save_montage_png
 from optim import RecipeStack
-
-# Phantoms of experiment=quality_model come from seed 0; data=held_out_phantoms (med_ddpm.step_search's default
-# data) names the seed of those it never trains on.
-HELD_OUT_SEED = int(OmegaConf.load(CONFIG_DIR / "data" / "held_out_phantoms.yaml").seed)
-
-
-def held_out_phantoms(n: int, image_size: tuple[int, ...], variant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images, conds) of ``n`` phantoms the model never saw."""
-    phantoms = SyntheticPhantoms(n, image_size, variant=variant, seed=HELD_OUT_SEED)
-    items = [phantoms[i] for i in range(n)]
-    return torch.stack([it["image"] for it in items]), torch.stack([it["cond"] for it in items])
-
-
-@torch.no_grad()
-def validation_loss(model, schedule, images: torch.Tensor, conds: torch.Tensor, device: torch.device,
-                    draws: int = 1) -> float:
-    """Mean ε-MSE over ``draws`` (t, ε) per phantom from one generator, seeded once: comparable across checkpoints
-    (and across models of one architecture). Eight phantoms a forward."""
-    g, squared = torch.Generator().manual_seed(HELD_OUT_SEED), 0.0
-    for _ in range(draws):
-        t = torch.randint(0, schedule.num_train_timesteps, (len(images),), generator=g)
-        eps = torch.randn(images.shape, generator=g)
-        for i in range(0, len(images), 8):
-            part = slice(i, i + 8)
-            x_t = schedule.add_noise(images[part].to(device), eps[part].to(device), t[part].to(device))
-            pred = model(torch.cat([x_t, conds[part].to(device)], 1), t[part].to(device))
-            squared += float((pred.float() - eps[part].to(device)).square().sum())
-    return squared / (draws * images.numel())
 
 
 def loss_curve(run: Path, images, conds, device) -> list[dict[str, Any]]:

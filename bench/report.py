@@ -3,10 +3,15 @@
 Example:
     python -m bench.report dir=results/bench/2026-01-01_12-00-00
     python -m bench.report dir=results/h200 wandb=true     # also a W&B Table + the PNGs
+    python -m bench.report publish=true                    # the evidence pages: docs/results/*.md, README table
+    python -m bench.report dir=bench/results/h200 publish=true   # docs/results/h200.md alone
+
+``publish=true`` renders the evidence pages of :mod:`bench.reporting` (one run per GPU folder) instead of the
+report below.
 
 A results file may hold many runs (a sweep directory reused, a ladder resumed, rows from
 several machines). Every row carries the ``run_id`` of the launch that wrote it and its commit
-(:mod:`bench.records`). Speed-up and memory are against the strict-FP32 row (``recipes == []``)
+(:mod:`bench.core.records`). Speed-up and memory are against the strict-FP32 row (``recipes == []``)
 of the same workload (scenario, model, size, batch, sampler, steps) in the *same run*; a row
 whose run has no such baseline gets no speed-up rather than one across runs.
 
@@ -25,7 +30,7 @@ status, value, p-value, null quantiles (distribution checks) or limits, and the 
 eps bias, so a verdict can be read back to the check that decided it.
 e2e.md (a ``preset=e2e`` folder: the real commands' rows, :mod:`bench.e2e`; report.md then points to it).
 training.md (a ``preset=quality_training`` folder): the arms, the training verdict and its checks
-(:mod:`bench.training_report`).
+(:mod:`bench.quality.training_report`).
 PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs the
 quality gate's number with the Pareto front marked (when the gate ran), model calls vs the gate's worst
 distribution p-value of the gated sampling rows, and throughput vs batch size (when there are several).
@@ -46,11 +51,22 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from bench.core.records import (
+    UNKNOWN,
+    baseline_key,
+    code_label,
+    is_baseline,
+    job_key,
+    read_results,
+    recipe_label,
+)
 from bench.e2e import write_page as write_e2e_page
-from bench.records import UNKNOWN, baseline_key, code_label, is_baseline, job_key, read_results, recipe_label
-from bench.training_report import write_training_report
+from bench.quality.training_report import write_training_report
+from bench.reporting.evidence import env_summary
+from bench.reporting.pages import from_config as publish_from_config
+from bench.reporting.verdicts import gate_notes
 from med_ddpm import cli
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.utils import atomic_write_text, save_figure
 
 COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
@@ -66,14 +82,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def quality_label(row: dict[str, Any]) -> str:
-    """The ``quality`` cell: ``not gated``, else the gate's verdict with its N, and ``random weights`` when it had
-    no checkpoint (``bench.checkpoint``): a pass on a seeded random net at N=8 is not a trained model's at N=32."""
+    """The ``quality`` cell: ``not gated``, else the gate's verdict with its notes (:func:`gate_notes`)."""
     gate = row.get("quality")
     if not gate:
         return "not gated"
-    notes = [f"N={gate['n_samples']}"] if gate.get("n_samples") else []
-    if not ((row.get("config") or {}).get("bench") or {}).get("checkpoint"):
-        notes.append("random weights")
+    notes = gate_notes(row)
     return f"{gate.get('verdict')} ({', '.join(notes)})" if notes else str(gate.get("verdict"))
 
 
@@ -168,15 +181,6 @@ def to_csv(table: list[dict[str, Any]]) -> str:
     writer.writeheader()
     writer.writerows(table)
     return buf.getvalue()
-
-
-def env_summary(rows: list[dict[str, Any]]) -> str:
-    """The environment of the rows; a key whose value differs between rows lists every value
-    (a results file merged from several runs must not claim one git commit for all)."""
-    envs = [r["env"] for r in rows if r.get("env")]
-    keys = ("gpu", "compute_capability", "driver", "cuda", "cudnn", "torch", "monai", "git_sha", "hostname")
-    values = {k: list(dict.fromkeys(str(e[k]) for e in envs if e.get(k) is not None)) for k in keys}
-    return ", ".join(f"{k} {' / '.join(v)}" for k, v in values.items() if v) or "unknown environment"
 
 
 SHOWN = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speedup", "peak_mem_gib",
@@ -456,7 +460,7 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
 
 def results_folder(cfg: DictConfig) -> Path:
     """``dir=``, refused unset or a file before anything is written (Hydra's run dir is the working directory,
-    left untouched; a folder without results.jsonl is refused by :func:`bench.records.read_results`)."""
+    left untouched; a folder without results.jsonl is refused by :func:`bench.core.records.read_results`)."""
     if OmegaConf.is_missing(cfg, "dir"):
         raise ConfigError(f"dir: has no value; {DIR_FIX}")
     folder = Path(cfg.dir)
@@ -468,6 +472,9 @@ def results_folder(cfg: DictConfig) -> Path:
 @hydra.main(config_path="../configs", config_name="report", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
+    if cfg.publish:
+        print("\n".join(publish_from_config(cfg)))
+        return
     print(write_report(results_folder(cfg), cfg.metric, cfg.wandb))
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from med_ddpm.config_checks import CheckpointError
 from med_ddpm.diffusion import BUFFER_NAMES, NoiseSchedule
-from med_ddpm.errors import CheckpointError
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.utils import atomic_save
 

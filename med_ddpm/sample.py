@@ -35,8 +35,7 @@ from omegaconf import DictConfig
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
-from med_ddpm.data import VARIANT_BY_IMAGE_CHANNELS, load_condition, read_volume
-from med_ddpm.errors import (
+from med_ddpm.config_checks import (
     CheckpointError,
     ConfigError,
     DataError,
@@ -45,18 +44,20 @@ from med_ddpm.errors import (
     check_divisible,
     check_int,
     check_one_of,
-    check_sampler,
 )
-from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.samplers import sample, sampler_from_config
-from med_ddpm.timings import RunClock
+from med_ddpm.data.datasets import load_condition, read_volume
+from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.data.phantoms import SyntheticPhantoms
+from med_ddpm.data.volume_io import save_montage_png, save_volume_like
+from med_ddpm.run_clock import RunClock
+from med_ddpm.samplers import check_sampler, sample, sampler_from_config
+from med_ddpm.samplers.tuned import use_tuned
 from med_ddpm.utils import seed_everything
-from med_ddpm.volume_io import save_montage_png, save_volume_like
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 PHANTOM_MASKS = 2  # masks=null: masks of this many synthetic phantoms
 
 
@@ -305,7 +306,7 @@ def run(cfg: DictConfig) -> list[Path]:
     """Load the checkpoint, then sample ``num_samples`` volumes for each of this rank's masks; returns its files.
 
     Writing overlaps the next volume's sampling (:class:`BackgroundWriter`); where the time went is
-    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.timings`).
+    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.run_clock`).
     """
     clock = RunClock("sample")
     clock.mark("run_start")
@@ -325,8 +326,11 @@ def run(cfg: DictConfig) -> list[Path]:
 
 
 def check_options(cfg: DictConfig) -> None:
-    """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on."""
+    """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on; ``tuned``: sample with the
+    checked grid of a ``sampler.yaml`` of med_ddpm.tune."""
     check_checkpoint_options(cfg)
+    if cfg.tuned is not None:
+        use_tuned(cfg)
     check_int(cfg, "num_samples", 1)
     check_int(cfg, "mask_workers", 0)
     check_int(cfg, "seed", 0)

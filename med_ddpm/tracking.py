@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 
 
 class Tracker:

@@ -135,7 +135,7 @@ def _nvidia_driver() -> str | None:
 def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
     """Everything a timing needs next to it to be comparable: GPU, driver, CUDA, cuDNN, versions, host.
 
-    The commit is not here: :func:`bench.records.append_row` stamps every row with it (``git_sha``, ``dirty``)."""
+    The commit is not here: :func:`bench.core.records.append_row` stamps every row with it (``git_sha``, ``dirty``)."""
     try:
         import monai
 

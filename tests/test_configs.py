@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from med_ddpm.data import build_dataset
+from med_ddpm.data.datasets import build_dataset
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import build_model
 from med_ddpm.samplers import sampler_from_config

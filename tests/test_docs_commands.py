@@ -34,7 +34,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from med_ddpm.samplers import make_timesteps
-from med_ddpm.step_search import sampler_snippet
+from med_ddpm.samplers.search import sampler_snippet
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -7,7 +7,7 @@ A user error ends in exit status 2 and ONE stderr line ``error: <thing>: <proble
 (med_ddpm.cli); nothing runs with a silently changed value. Most rows compose the real config
 and call the real entry function in-process (fast); the rows at the end run real subprocesses
 to prove the single stderr line and the exit status end to end. Rows are grouped by command:
-``med_ddpm.train``, ``med_ddpm.sample``, ``bench.sweep``, ``med_ddpm.evaluate``, ``bench.precision_attribution``,
+``med_ddpm.train``, ``med_ddpm.sample``, ``med_ddpm.tune``, ``bench.sweep``, ``med_ddpm.evaluate``, ``bench.precision_attribution``,
 ``bench.floor``, ``bench.micro``.
 """
 
@@ -33,10 +33,10 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bench import floor, micro, precision_attribution, sweep
-from bench.scenarios import UnsupportedStack, prepared_parts
-from med_ddpm import cli, train
+from bench.core.scenarios import UnsupportedStack, prepared_parts
+from med_ddpm import cli, train, tune
 from med_ddpm import utils as med_utils
-from med_ddpm.phantoms import write_phantom_niftis
+from med_ddpm.data.phantoms import write_phantom_niftis
 
 sample = importlib.import_module("med_ddpm.sample")  # the command; med_ddpm.sample is the API function
 evaluate = importlib.import_module("med_ddpm.evaluate")
@@ -48,7 +48,8 @@ TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "m
 # command -> the overrides every row of it starts from (its config is configs/<command>.yaml)
 BASE = {"train": [*TINY, "train.progress=false", "train.grad_accum=1"], "sample": [*TINY, "progress=false"],
         "bench": [*TINY, "experiment=bench_smoke"], "evaluate": ["progress=false"], "precision_attribution": TINY,
-        "floor": ["model=tiny"], "micro": ["size=4", "compile=false", "iters=1"]}
+        "floor": ["model=tiny"], "micro": ["size=4", "compile=false", "iters=1"],
+        "tune": ["~experiment", "++sampler.variant=sde", "device=cpu", "progress=false"]}
 
 
 @dataclass
@@ -97,7 +98,7 @@ def composed_or_refused(capsys, slip: Slip, overrides: list[str], out: Path) -> 
         return line
     check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options),
              "evaluate": evaluate.main, "precision_attribution": precision_attribution.main, "floor": floor.main,
-             "micro": micro.main}[slip.command]
+             "micro": micro.main, "tune": tune.main}[slip.command]
     return refusal(capsys, check, cfg, status=slip.status)
 
 
@@ -292,9 +293,10 @@ def test_masks_of_mixed_sizes_each_get_their_own_size(checkpoint, tmp_path):
 def test_slip(slip, tmp_path, capsys, request):
     """Every row of the table: its exit status and its one line."""
     overrides = slip.overrides.split()
-    if slip.command == "sample":
+    if slip.command in ("sample", "tune"):
         checkpoint = request.getfixturevalue("checkpoint")
-        overrides = [f"checkpoint={checkpoint}", "sampler=ddim", "sampler.steps=2", *overrides]
+        sampler = ["sampler=ddim", "sampler.steps=2"] if slip.command == "sample" else []
+        overrides = [f"checkpoint={checkpoint}", *sampler, *overrides]
     assert re.search(slip.error, composed_or_refused(capsys, slip, overrides, tmp_path))
 
 
@@ -327,6 +329,15 @@ def test_cli_prints_one_line_and_exits_2(module, args, pattern, tmp_path):
         assert len(list((tmp_path / "out" / ".hydra").glob("*/config.yaml"))) == 1  # one launch, its own record
         assert (tmp_path / "out" / f"{module.split('.')[-1]}.log").is_file()
     assert not (cwd / "outputs").exists()  # nothing of the run lands in the working directory
+
+
+def test_output_dir_naming_a_file_is_one_line_before_anything_runs(tmp_path):
+    """Hydra makes the run's folder before the command starts: a file in its place is named, exit 2."""
+    (tmp_path / "taken").write_text("a file")
+    proc = run_cli("med_ddpm.evaluate", "real=.", "generated=.", f"output_dir={tmp_path / 'taken'}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {tmp_path / 'taken'}: a file, not a folder; pass a folder (a new or an existing one), or remove the file")
+    assert (tmp_path / "taken").read_text() == "a file"
 
 
 @pytest.mark.slow
@@ -372,7 +383,7 @@ def test_running_out_of_gpu_memory_is_one_line_with_the_figures_and_exit_3(capsy
 
 
 def test_a_bug_inside_build_keeps_its_type_and_a_config_error_names_the_node():
-    from med_ddpm.errors import ConfigError, as_config_error
+    from med_ddpm.config_checks import ConfigError, as_config_error
 
     with pytest.raises(TypeError, match="^a bug$"), as_config_error("options", "fix"):
         raise TypeError("a bug")

@@ -6,14 +6,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from bench.controls import EpsNoise, EpsScale, SkipGroupNorm
-from bench.ladder import compose_job, quality_ladder
-from bench.records import job_key, recipe_label
-from bench.sweep import CONFIG_DIR
-from bench.worker import base_row
-from med_ddpm.errors import ConfigError
+from bench.core.records import job_key, recipe_label
+from bench.core.runner import compose_job
+from bench.core.worker import base_row
+from bench.ladder import quality_ladder
+from bench.quality.controls import EpsNoise, EpsScale, SkipGroupNorm
+from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.model import UNet3D
-from med_ddpm.quality import gate_from_config, randomize_zero_init
+from med_ddpm.quality.probe import gate_from_config, randomize_zero_init
 from optim.base import DeviceInfo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,8 +56,8 @@ def test_controls_are_never_shipped_recipes():
     recipe_dir = CONFIG_DIR / "recipe"
     for control in (CONFIG_DIR / "control").glob("*.yaml"):
         assert not (recipe_dir / control.name).exists()
-        assert "bench.controls." in control.read_text()
-    assert not any("bench.controls" in p.read_text() for p in recipe_dir.glob("*.yaml"))
+        assert "bench.quality.controls." in control.read_text()
+    assert not any("bench.quality.controls" in p.read_text() for p in recipe_dir.glob("*.yaml"))
 
 
 def _gate(*overrides):
@@ -137,7 +138,7 @@ def test_quality_ladder_needs_a_checkpoint():
 @pytest.mark.slow
 def test_a_control_row_through_the_bench_worker(tmp_path):
     """What the quality ladder's control jobs do, on the smoke model: a subprocess job whose row fails the gate."""
-    from bench.worker import run_job
+    from bench.core.worker import run_job
 
     job = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.quality=true", "diffusion.timesteps=4",
                        "sampler.steps=4", "recipe=[]", "+control=eps_scale", "recipe.eps_scale.factor=1.05",

@@ -1,4 +1,4 @@
-"""bench.counters / bench.ncu / bench.counter_claims on CPU: ncu's CSV pages, kernel categories, the
+"""bench.counters / bench.core.ncu / bench.counter_claims on CPU: ncu's CSV pages, kernel categories, the
 aggregation, the unavailable-counters rows and the claim table. A fake ``ncu`` script stands in for
 Nsight Compute: it prints the committed fixture pages, or ncu's errors."""
 
@@ -20,11 +20,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from bench import counter_claims, counters, ncu
-from bench.records import append_row, code_label, read_rows
-from bench.sweep import job_spec
-from bench.worker import base_row
-from med_ddpm.errors import ConfigError
+from bench import counter_claims, counters
+from bench.core import ncu
+from bench.core.records import append_row, code_label, read_rows
+from bench.core.runner import job_spec
+from bench.core.worker import base_row
+from med_ddpm.config_checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.records import MEASURED_FIELDS, read_rows
+from bench.core.records import MEASURED_FIELDS, read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model=tiny", "model.image_size=[16,16,16]", "model.channel_mult=[1,2]", "model.attention_ds=[2]",
@@ -37,8 +37,8 @@ def test_rows_record_recipe_options_and_baselines_match_them(tmp_path):
     is the baseline of a stack without options only."""
     from hydra import compose
 
+    from bench.core.records import append_row
     from bench.ddp import base_row, baseline_volumes_per_s
-    from bench.records import append_row
     from med_ddpm import cli
 
     with cli.configs():

@@ -11,6 +11,7 @@ import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from bench.core.records import read_rows
 from bench.e2e import (
     command,
     import_seconds,
@@ -23,8 +24,7 @@ from bench.e2e import (
     workload,
 )
 from bench.ladder import e2e_args, e2e_ladder
-from bench.records import read_rows
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import floor, profile
+from bench.core.runner import job_spec
 from bench.floor import floors_ms, main, measure_peaks, measured_ms, table, workload
-from bench.sweep import job_spec
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.model import build_model
 

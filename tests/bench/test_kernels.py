@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import kernels
+from bench.core import kernels
 
 # Real names from torch.profiler traces of this network (H100/H200, torch 2.x, cuDNN 9).
 FIXTURE = {
@@ -176,8 +176,9 @@ def test_cpu_profile_end_to_end_has_categories_and_no_gpu_timeline(tmp_path):
 
 
 def test_profile_ncu_reads_ncu_through_bench_ncu(tmp_path, monkeypatch):
-    """bench.profile's ncu table: bench.ncu runs ncu and reads its raw page (units applied, n/a blank)."""
-    from bench import ncu, profile
+    """bench.profile's ncu table: bench.core.ncu runs ncu and reads its raw page (units applied, n/a blank)."""
+    from bench import profile
+    from bench.core import ncu
 
     page = ('==PROF== Disconnected\n"ID","Kernel Name","gpu__time_duration.sum","smsp__inst_executed.sum"\n'
             '"","","usecond","Kinst"\n"0","triton_poi_fused_0","1.5","2,000"\n"1","k2","n/a","3"\n')

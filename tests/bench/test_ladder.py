@@ -11,12 +11,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import bench.quality_training as quality_training
-from bench.ladder import COMMAND_PRESETS, PRESETS, compose_job, e2e_ladder, ladder_jobs, missing_recipes, run
-from bench.records import baseline_key, job_key, recipe_label
-from bench.sweep import CONFIG_DIR
-from bench.worker import base_row
-from med_ddpm.errors import ConfigError
+import bench.quality.training as quality_training
+from bench.core.records import baseline_key, job_key, recipe_label
+from bench.core.runner import compose_job, missing_recipes
+from bench.core.worker import base_row
+from bench.ladder import COMMAND_PRESETS, PRESETS, e2e_ladder, ladder_jobs, run
+from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.config_checks import ConfigError
 
 REPO = CONFIG_DIR.parent
 
@@ -82,14 +83,14 @@ def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
 def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):
     """After a code change, ``refresh=REGEX`` reruns the jobs it names unless this commit has a row
     for them; other jobs and rows of this commit are still skipped (resumable)."""
-    from bench.ladder import run_ladder
-    from bench.records import RESULTS_FILE, append_row
+    from bench.core.records import RESULTS_FILE, append_row
+    from bench.core.runner import run_ladder
 
     jobs = jobs_of("smoke", tmp_path)
     for n, job in enumerate(jobs):
         row = {**base_row(compose_job(job, tmp_path / str(n))), "status": "ok", "message": "", "git_sha": "old", "dirty": False}
         append_row(tmp_path / RESULTS_FILE, row)
-    monkeypatch.setattr("bench.ladder.provenance", lambda: {"git_sha": "new", "dirty": False})
+    monkeypatch.setattr("bench.core.runner.provenance", lambda: {"git_sha": "new", "dirty": False})
 
     def todo(refresh):
         capsys.readouterr()
@@ -173,13 +174,14 @@ def test_only_runs_the_jobs_a_regex_names(tmp_path, capsys):
 @pytest.mark.parametrize("only", [False, True])
 def test_only_adds_no_missing_baselines(tmp_path, monkeypatch, only):
     """A full ladder spends its leftover budget on missing strict-FP32 baselines; ``only=`` runs just its jobs."""
-    from bench import ladder, sweep
-    from bench.records import RESULTS_FILE, append_row
+    from bench import ladder
+    from bench.core import runner
+    from bench.core.records import RESULTS_FILE, append_row
 
     job = ["experiment=bench_smoke", "bench=train_step", "recipe=[amp_bf16]"]
     append_row(tmp_path / RESULTS_FILE, {**base_row(compose_job(job, tmp_path / "job")), "status": "ok", "message": ""})
     completed = []
-    monkeypatch.setattr(sweep.EnsureBaseline, "complete", lambda out, budget_s: completed.append(out))
+    monkeypatch.setattr(runner.EnsureBaseline, "complete", lambda out, budget_s: completed.append(out))
     monkeypatch.setattr(ladder, "PRESETS", {**ladder.PRESETS, "smoke": lambda cfg: iter([job])})
     run(ladder_cfg(tmp_path, "preset=smoke", "budget_s=60", *(["only=amp_bf16"] if only else [])))
     assert completed == ([] if only else [tmp_path])
@@ -189,9 +191,9 @@ def test_only_adds_no_missing_baselines(tmp_path, monkeypatch, only):
 def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budget_s, kept):
     """EnsureBaseline at the end of a ladder: a strict-FP32 job killed because the run's budget shortened
     its limit is no measurement; one past its own limit is."""
-    from bench import sweep
-    from bench.records import RESULTS_FILE, append_row, read_rows
-    from bench.worker import TIMEOUT_PREFIX
+    from bench.core import runner
+    from bench.core.records import RESULTS_FILE, append_row, read_rows
+    from bench.core.worker import TIMEOUT_PREFIX
 
     job = compose_job(["bench=train_step", "recipe=[amp_bf16]"], tmp_path / "job")
     append_row(tmp_path / RESULTS_FILE, {**base_row(job), "status": "ok", "message": ""})
@@ -201,8 +203,8 @@ def test_a_baseline_cut_by_the_budget_leaves_no_row(tmp_path, monkeypatch, budge
         seen.append(timeout_s)
         return {**base_row(job), "status": "error", "message": f"{TIMEOUT_PREFIX} after {timeout_s:.0f} s"}
 
-    monkeypatch.setattr(sweep, "run_job", timed_out)
-    sweep.EnsureBaseline.complete(tmp_path, budget_s)
+    monkeypatch.setattr(runner, "run_job", timed_out)
+    runner.EnsureBaseline.complete(tmp_path, budget_s)
     rows = read_rows(tmp_path)
     assert len(seen) == 1 and (seen[0] < 10.0) == (not kept)
     assert [r["recipes"] for r in rows] == ([["amp_bf16"], []] if kept else [["amp_bf16"]])
@@ -238,8 +240,8 @@ def test_targets_preset_times_the_two_experiments_against_strict_fp32(tmp_path):
 def test_a_resumed_ladder_measures_each_workload_s_baseline_in_its_own_run(tmp_path, monkeypatch):
     """A cut ladder's baseline row belongs to the earlier launch: the resumed launch measures the baseline of
     every workload it times again, first, so each speed-up is against a baseline of the same run."""
-    from bench import ladder
-    from bench.records import RESULTS_FILE, append_row, new_run, read_rows
+    from bench.core import runner
+    from bench.core.records import RESULTS_FILE, append_row, new_run, read_rows
 
     jobs = [["experiment=bench_smoke", "bench=train_step", "recipe=[]"],
             ["experiment=bench_smoke", "bench=train_step", "recipe=[amp_bf16]"],
@@ -250,52 +252,52 @@ def test_a_resumed_ladder_measures_each_workload_s_baseline_in_its_own_run(tmp_p
         ran.append(job["recipes"] and job["recipes"] or [])
         return {**base_row(job), "status": "ok", "message": "", "ms_median": 1.0}
 
-    monkeypatch.setattr(ladder, "run_job", fake_run_job)
+    monkeypatch.setattr(runner, "run_job", fake_run_job)
     new_run()
     first = compose_job(jobs[0], tmp_path / "a")
     append_row(tmp_path / RESULTS_FILE, {**base_row(first), "status": "ok", "message": ""})  # the cut launch's row
     new_run()
-    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
+    assert runner.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
     assert ran == [[], ["amp_bf16"], []]  # train_step's baseline again (before amp_bf16), then denoise's
     rows = read_rows(tmp_path)
     latest = {r["run_id"] for r in rows[1:]}
     assert len(latest) == 1 and rows[0]["run_id"] not in latest
     ran.clear()
-    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0 and ran == []
+    assert runner.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0 and ran == []
 
 
 def test_two_checkpoints_gated_against_one_reference_are_each_measured_once(tmp_path, monkeypatch):
     """Both rows are strict FP32 on one workload, told apart by the candidate's weights: neither is measured as the
     other's baseline, and a resumed ladder measures only the one that is missing."""
-    from bench import ladder
-    from bench.records import RESULTS_FILE, append_row, candidate_checkpoint, read_rows
+    from bench.core import runner
+    from bench.core.records import RESULTS_FILE, append_row, candidate_checkpoint, read_rows
 
-    jobs = [job for c in ("stack.pt", "reseed.pt") for job in ladder.quality_pair_ladder("fp32.pt", c)]
+    jobs = [job for c in ("stack.pt", "reseed.pt") for job in quality_training.quality_pair_ladder("fp32.pt", c)]
     ran: list[str] = []
 
     def fake_run_job(job, job_dir, timeout):
         ran.append(job["config"]["quality"]["candidate_checkpoint"])
         return {**base_row(job), "status": "ok", "message": "", "ms_median": 1.0}
 
-    monkeypatch.setattr(ladder, "run_job", fake_run_job)
+    monkeypatch.setattr(runner, "run_job", fake_run_job)
     append_row(tmp_path / RESULTS_FILE, {**base_row(compose_job(jobs[1], tmp_path / "a")), "status": "ok"})
-    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
+    assert runner.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
     assert ran == ["stack.pt"] and [candidate_checkpoint(r) for r in read_rows(tmp_path)] == ["reseed.pt", "stack.pt"]
     (tmp_path / RESULTS_FILE).unlink()
     ran.clear()
-    assert ladder.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
+    assert runner.run_ladder(tmp_path, jobs, budget_s=math.inf, complete_baselines=False) == 0
     assert ran == ["stack.pt", "reseed.pt"]
 
 
 def test_a_dirty_row_is_not_a_row_of_this_commit(tmp_path, monkeypatch):
     """``refresh=`` reruns a job unless this commit measured it on a clean tree: a row measured with uncommitted
     code changes is not this commit's measurement."""
-    from bench import ladder
-    from bench.records import RESULTS_FILE, append_row
+    from bench.core import runner
+    from bench.core.records import RESULTS_FILE, append_row
 
     job = jobs_of("smoke", tmp_path)[0]
     row = {**base_row(compose_job(job, tmp_path / "a")), "status": "ok", "message": "", "git_sha": "abc", "dirty": True}
     append_row(tmp_path / RESULTS_FILE, row)
-    monkeypatch.setattr(ladder, "provenance", lambda: {"git_sha": "abc", "dirty": False})
-    done, current = ladder.finished_jobs(tmp_path, refresh=".")
+    monkeypatch.setattr(runner, "provenance", lambda: {"git_sha": "abc", "dirty": False})
+    done, current = runner.finished_jobs(tmp_path, refresh=".")
     assert job_key(row) in done and job_key(row) not in current

@@ -7,13 +7,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.ladder import RESTARTS, SA_ORDERS, compose_job, ladder_jobs
-from bench.sweep import CONFIG_DIR
-from bench.worker import base_row
+from bench.core.runner import compose_job
+from bench.core.worker import base_row
+from bench.ladder import RESTARTS, SA_ORDERS, ladder_jobs
+from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import ConfigError
 from med_ddpm.samplers import sampler_from_config
-from med_ddpm.step_search import sampler_snippet
+from med_ddpm.samplers.search import sampler_snippet
 
 
 def jobs(tmp_path) -> list[list[str]]:

@@ -9,18 +9,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from bench.precision_attribution import (
-    GROUPS,
-    attribute,
-    autocast_except,
-    main,
-    members,
-    probe_inputs,
-    table,
-)
+from bench.precision_attribution import GROUPS, attribute, autocast_except, main, members, probe_inputs, table
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
-from med_ddpm.quality import randomize_zero_init
+from med_ddpm.quality.probe import randomize_zero_init
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")

@@ -8,9 +8,10 @@ import re
 import torch
 from hydra import compose, initialize_config_dir
 
-from bench import kernels, profile
-from bench.records import RUN_ID_ENV, provenance
-from bench.sweep import job_spec
+from bench import profile
+from bench.core import kernels
+from bench.core.records import RUN_ID_ENV, provenance
+from bench.core.runner import job_spec
 from med_ddpm.cli import CONFIG_DIR
 
 STEPS = 3

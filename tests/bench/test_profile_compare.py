@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import kernels
+from bench.core import kernels
 from bench.profile import load_named, write_comparison
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 TUNING = REPO / "bench" / "results" / "h200" / "tuning"

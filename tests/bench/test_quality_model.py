@@ -34,7 +34,7 @@ def test_quality_model_card_from_a_tiny_run(tmp_path, one_thread):
     for png in ("samples.png", "sample_mask.png"):
         assert (tmp_path / "card" / png).read_bytes()[:4] == b"\x89PNG"
     assert "random weights, relative numbers only" in (tmp_path / "card" / "summary.md").read_text()
-    from bench.records import provenance
+    from bench.core.records import provenance
     assert summary["git_sha"] == provenance()["git_sha"] and f"`{summary['git_sha'][:12]}`" in (
         tmp_path / "card" / "summary.md").read_text(), "the card names the commit that wrote it"
 

@@ -1,6 +1,6 @@
-"""bench.quality_training: the quality model trained with strict FP32 on its seed and k more, with an experiment's
+"""bench.quality.training: the quality model trained with strict FP32 on its seed and k more, with an experiment's
 stack and with a control, each on a seed of its own; its loss curves, the gated rows and the training verdict
-(bench.training_verdict): the control fails, a fresh FP32 seed passes, and the stack is judged against the band."""
+(bench.quality.training_verdict): the control fails, a fresh FP32 seed passes, and the stack is judged against the band."""
 
 import json
 import threading
@@ -12,23 +12,24 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import bench.quality_training as quality_training
-from bench.ladder import compose_job, quality_pair_ladder
+import bench.quality.training as quality_training
+from bench.core.records import job_key, provenance, recipe_label
+from bench.core.runner import compose_job
+from bench.core.worker import base_row
 from bench.ladder import run as run_ladder_command
-from bench.quality_training import (
+from bench.quality.training import (
     gate_jobs,
     gated_pairs,
     gated_row,
+    quality_pair_ladder,
     reseeds,
     split_overrides,
     tail_losses,
     train_arms,
     training_commands,
 )
-from bench.records import job_key, provenance, recipe_label
-from bench.training_verdict import training_verdict
-from bench.worker import base_row
-from med_ddpm.errors import ConfigError
+from bench.quality.training_verdict import training_verdict
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write
 
@@ -262,6 +263,6 @@ def test_tiny_runs_train_gate_and_the_control_fails_while_a_fresh_seed_passes(tm
     assert control["status"] == "beyond" and control["effect_size"] < -5  # it trained faster than FP32 does
     assert verdict["val_loss"] == {arm: curves["summary"][arm]["val_loss"] for arm in arms}
     assert verdict["checks"]["kid_vs_ref"]["value"] == rows[-2]["quality"]["checks"]["kid_vs_ref"]["value"]
-    assert f"**{verdict['verdict']}**" in (out / "training.md").read_text()  # bench.training_report's page
+    assert f"**{verdict['verdict']}**" in (out / "training.md").read_text()  # bench.quality.training_report's page
     assert ladder(out, *args) == 0  # resumable: nothing left, nothing rerun
     assert len((out / "results.jsonl").read_text().splitlines()) == 6

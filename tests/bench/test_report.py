@@ -1,5 +1,5 @@
 """bench.report on fixture rows: speed-ups vs the same run's baseline, missing baseline, failed rows,
-runs mixed in one file, rows of unknown provenance; bench.records' run id and provenance stamp."""
+runs mixed in one file, rows of unknown provenance; bench.core.records' run id and provenance stamp."""
 
 import json
 import os
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import records, report
-from bench.records import append_row, missing_baselines, read_rows
+from bench import report
+from bench.core import records
+from bench.core.records import append_row, missing_baselines, read_rows
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +170,7 @@ def test_commands_started_inside_a_run_keep_its_id(tmp_path):
     assert read_rows(tmp_path / "counters.jsonl")[0]["run_id"] == "call-1"  # its launch's new_run() kept it
 
     def launch(env: dict[str, str]) -> str:
-        code = "from bench import records; records.new_run(); print(records.new_run())"
+        code = "from bench.core import records; records.new_run(); print(records.new_run())"
         return subprocess.run([sys.executable, "-c", code], cwd=records.ROOT, env=env, check=True,
                               capture_output=True, text=True).stdout.strip()
 
@@ -192,7 +193,7 @@ def test_stamp_gives_provenance_without_git_and_sees_later_edits(tmp_path, monke
 
 def test_write_stamp_records_head(tmp_path):
     stamp = records.write_stamp(tmp_path / "stamp.json")
-    assert stamp["git_sha"] == records.git_provenance()["git_sha"] and "bench/records.py" in stamp["files"]
+    assert stamp["git_sha"] == records.git_provenance()["git_sha"] and "bench/core/records.py" in stamp["files"]
     assert json.loads((tmp_path / "stamp.json").read_text())["digest"] == records.tree_digest(stamp["files"])
 
 

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from bench import report
-from bench.records import append_row, read_rows
+from bench.core.records import append_row, read_rows
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 H200_SAMPLERS = Path(__file__).resolve().parents[2] / "bench/results/h200/quality/samplers/results.jsonl"

@@ -8,14 +8,14 @@ import functools
 import pytest
 import torch
 
-from bench.ladder import compose_job
-from bench.scenarios import model_calls, prepared_step, run_scenario, volumes_per_call
+from bench.core.runner import compose_job
+from bench.core.scenarios import model_calls, prepared_step, run_scenario, volumes_per_call
 from med_ddpm import train
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """As bench.worker runs experiment=bench_smoke (bench.threads=1): two threads on a busy 2-core box are
+    """As bench.core.worker runs experiment=bench_smoke (bench.threads=1): two threads on a busy 2-core box are
     several times slower than one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def test_the_timed_train_step_is_the_loops_train_step(tmp_path):
 
 
 def run_flops(tmp_path) -> int:
-    from bench.scenarios import model_flops
+    from bench.core.scenarios import model_flops
 
     return model_flops(bench_cfg(tmp_path, "train.grad_accum=1"))
 

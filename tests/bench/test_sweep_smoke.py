@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.ladder import compose_job
-from bench.records import read_rows
+from bench.core.records import read_rows
+from bench.core.runner import compose_job
+from bench.core.worker import run_job
 from bench.report import report_rows, write_report
-from bench.worker import run_job
 
 REPO = Path(__file__).resolve().parents[2]
 IDENTITY = ("scenario", "model", "image_size", "batch_size", "recipes", "status", "flops", "precision", "message")

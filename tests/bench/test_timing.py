@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from bench.timing import (
+from bench.core.timing import (
     DATASHEET_PEAK_TFLOPS,
     active_precision,
     datasheet_peak_tflops,

@@ -1,18 +1,11 @@
-"""bench.training_report: training.md rendered from a training-stack folder's own files, with each writer's commit."""
+"""bench.quality.training_report: training.md rendered from a training-stack folder's own files, with each writer's commit."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+from bench.quality.training_report import TRAINING_MD, training_markdown, write_training_report
 from bench.report import write_report
-from bench.training_report import TRAINING_MD, training_markdown, write_training_report
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def judged(value, p_adjusted, status, edge=0.3):
     return {"value": value, "band": {"draws": {"fp32_seed1": 0.1, "fp32_seed2": 0.14}, "k": 2, "mean": 0.12,
                                      "sd": 0.0283, "fail_edge": edge},
@@ -77,12 +70,3 @@ def test_bench_report_writes_the_page_beside_its_tables(tmp_path):
     assert (tmp_path / TRAINING_MD).read_text() == training_markdown(tmp_path)
 
 
-def test_the_module_is_no_command_and_says_which_one_writes_the_page(tmp_path):
-    """It used to exit 0 having done nothing, whatever the arguments."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "bench.training_report", f"dir={folder(tmp_path)}"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        "error: bench.training_report: not a command; run python -m bench.report dir=<the training folder>, which "
-        "writes training.md beside report.md"], proc.stderr
-    assert not (tmp_path / TRAINING_MD).exists()

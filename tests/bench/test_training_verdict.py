@@ -1,4 +1,4 @@
-"""bench.training_verdict: a trained model judged against the band of strict-FP32 retraining. A control far outside
+"""bench.quality.training_verdict: a trained model judged against the band of strict-FP32 retraining. A control far outside
 the band fails, a fresh seed inside it passes, a negative MMD counts by its size, and a run whose control does not
 fail (or whose fresh seed does) cannot decide the stack."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 from scipy import stats
 
-from bench.training_verdict import ALPHA, check, distance, judge, training_verdict
+from bench.quality.training_verdict import ALPHA, check, distance, judge, training_verdict
 
 SEEDS = ["fp32_seed1", "fp32_seed2", "fp32_seed3", "fp32_seed4"]
 NAMES = ("histogram_w1_vs_ref", "kid_vs_ref", "mmd_vs_ref", "diversity_gap")

@@ -17,8 +17,8 @@ from med_ddpm.checkpoint import (
     save_medddpm_checkpoint,
     split_medddpm_state,
 )
+from med_ddpm.config_checks import CheckpointError
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import CheckpointError
 from med_ddpm.model import UNet3D
 
 

@@ -12,20 +12,13 @@ import torch
 from monai.data import CacheDataset
 from omegaconf import OmegaConf
 
-from med_ddpm import data as data_module
-from med_ddpm.data import (
-    VARIANTS,
-    BratsDataset,
-    WholeHeadDataset,
-    build_dataset,
-    dataset_bytes,
-    labels_to_cond,
-    load_condition,
-    medddpm_slice_minmax,
-)
-from med_ddpm.discovery import list_brats_cases, list_pairs
-from med_ddpm.errors import ConfigError, DataError
-from med_ddpm.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
+from med_ddpm.config_checks import ConfigError, DataError
+from med_ddpm.data import cache as data_cache
+from med_ddpm.data.cache import dataset_bytes
+from med_ddpm.data.datasets import BratsDataset, WholeHeadDataset, build_dataset, load_condition
+from med_ddpm.data.discovery import list_brats_cases, list_pairs
+from med_ddpm.data.encoding import VARIANTS, labels_to_cond, medddpm_slice_minmax
+from med_ddpm.data.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
 
 REPO = Path(__file__).resolve().parents[2]
 WHOLE_HEAD = REPO.parent / "shared" / "data" / "whole_head"
@@ -261,7 +254,7 @@ def test_cache_auto_keeps_the_dataset_in_memory_when_it_fits(good_root, monkeypa
     """2 items of 16^3 x (1 image + 2 mask channels) float32 = 98,304 bytes: memory when that is at most half
     the available RAM."""
     assert dataset_bytes(2, VARIANTS["whole_head"], SIZE) == 98_304
-    monkeypatch.setattr(data_module, "available_ram_bytes", lambda: int(free_gib * 2**30))
+    monkeypatch.setattr(data_cache, "available_ram_bytes", lambda: int(free_gib * 2**30))
     dataset = WholeHeadDataset(good_root, SIZE)
     assert dataset.cache == chosen
     assert isinstance(dataset._data, CacheDataset) == (chosen == "memory")

@@ -11,8 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from med_ddpm.errors import DataError
-from med_ddpm.evaluate import evaluate
+from med_ddpm.config_checks import DataError
+from med_ddpm.quality.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,9 +7,9 @@ import scipy.linalg
 import torch
 from monai.networks.nets import resnet10
 
-from med_ddpm.errors import CheckpointError
-from med_ddpm.features import MedicalNetFeatures, RandomConv3dFeatures
-from med_ddpm.metrics import (
+from med_ddpm.config_checks import CheckpointError
+from med_ddpm.quality.features import MedicalNetFeatures, RandomConv3dFeatures
+from med_ddpm.quality.metrics import (
     MAE,
     MSSSIM,
     PSNR,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from med_ddpm.model import AttentionBlock, GroupNorm32, UNet3D, build_model
-from med_ddpm.quality import randomize_zero_init
+from med_ddpm.quality.probe import randomize_zero_init
 
 
 def tiny_whole_head() -> UNet3D:

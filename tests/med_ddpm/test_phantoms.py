@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from med_ddpm.data import WholeHeadDataset, medddpm_slice_minmax
-from med_ddpm.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
+from med_ddpm.data.datasets import WholeHeadDataset
+from med_ddpm.data.encoding import medddpm_slice_minmax
+from med_ddpm.data.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
 
 SIZE = (16, 20, 24)  # non-cubic on purpose: catches axis mix-ups
 
@@ -71,8 +72,8 @@ def test_the_synthetic_config_caches_a_set_that_fits_and_refuses_disk():
     from hydra import compose, initialize_config_dir
 
     from med_ddpm.cli import CONFIG_DIR
-    from med_ddpm.data import build_dataset
-    from med_ddpm.errors import ConfigError
+    from med_ddpm.config_checks import ConfigError
+    from med_ddpm.data.datasets import build_dataset
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=tiny", "output_dir=/tmp/x"])

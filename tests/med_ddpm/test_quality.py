@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import ConfigError
-from med_ddpm.gate import QualityGate
 from med_ddpm.model import UNet3D
-from med_ddpm.quality import (
+from med_ddpm.quality.gate import QualityGate
+from med_ddpm.quality.probe import (
     fixed_noise,
     load_thresholds,
     phantom_masks,
@@ -199,7 +199,7 @@ def _compose(*overrides):
 
 def test_gate_reuses_a_cached_strict_reference(tmp_path, monkeypatch):
     """A ladder of gates over one model computes the FP32 reference once."""
-    from med_ddpm import quality
+    from med_ddpm.quality import probe as quality
 
     cfg = _compose(f"quality.cache_dir={tmp_path}", "recipe=[channels_last_3d]")
     first = quality.gate_from_config(cfg, "cpu").to_dict()
@@ -220,7 +220,7 @@ def test_gate_reuses_a_cached_strict_reference(tmp_path, monkeypatch):
 def test_a_sampler_with_more_calls_than_t_gets_a_noise_field_per_call(monkeypatch):
     """Restart sampling can make more model calls than the T steps of the DDPM reference: the candidate's fixed
     noise has one field per call, counted on the one sampler the candidate runs."""
-    from med_ddpm import quality
+    from med_ddpm.quality import probe as quality
 
     built = []
 
@@ -242,7 +242,7 @@ def _save_weights(path, cfg, scale_output: float = 1.0):
     from omegaconf import OmegaConf
 
     from med_ddpm.checkpoint import save_checkpoint
-    from med_ddpm.quality import gate_model
+    from med_ddpm.quality.probe import gate_model
 
     net, _ = gate_model(cfg, None, 0)
     last = [m for m in net.modules() if isinstance(m, torch.nn.Conv3d)][-1]
@@ -255,7 +255,7 @@ def _save_weights(path, cfg, scale_output: float = 1.0):
 
 def test_two_checkpoints_same_weights_pass_and_other_weights_fail(tmp_path):
     """quality.candidate_checkpoint: the candidate arm runs the other weights exactly as the reference runs."""
-    from med_ddpm.quality import gate_from_config
+    from med_ddpm.quality.probe import gate_from_config
 
     cfg = _compose("recipe=[]", "sampler=ddpm")
     same, scaled = _save_weights(tmp_path / "a.pt", cfg), _save_weights(tmp_path / "b.pt", cfg, scale_output=1.1)
@@ -271,8 +271,8 @@ def test_two_checkpoints_same_weights_pass_and_other_weights_fail(tmp_path):
 
 
 def test_two_checkpoints_refuse_a_stack_or_another_network(tmp_path):
-    from med_ddpm.errors import ConfigError
-    from med_ddpm.quality import gate_from_config
+    from med_ddpm.config_checks import ConfigError
+    from med_ddpm.quality.probe import gate_from_config
 
     cfg = _compose("recipe=[]", "sampler=ddpm")
     mine = _save_weights(tmp_path / "a.pt", cfg)
@@ -285,7 +285,7 @@ def test_two_checkpoints_refuse_a_stack_or_another_network(tmp_path):
 
 
 def test_the_cached_reference_is_keyed_by_torch_and_the_code_that_computes_it(monkeypatch):
-    from med_ddpm import quality
+    from med_ddpm.quality import probe as quality
 
     digest = quality.reference_code_digest()
     assert digest == quality.reference_code_digest() and len(digest) == 16

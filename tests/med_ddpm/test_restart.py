@@ -1,4 +1,4 @@
-"""Restart sampling (med_ddpm/restart.py) on the toy problem (conftest.py) and with the real configs."""
+"""Restart sampling (med_ddpm/samplers/restart_sampler.py) on the toy problem (conftest.py) and with the real configs."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from conftest import CONFIGS, TOY_DATA, GaussianToy, toy_moments
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import ConfigError, check_sampler
-from med_ddpm.restart import RestartSampler, segment_grid
-from med_ddpm.samplers import build_sampler, sampler_from_config, sampler_options
+from med_ddpm.samplers import build_sampler, check_sampler, sampler_from_config, sampler_options
+from med_ddpm.samplers.restart_sampler import RestartSampler, segment_grid
 
-# --- restart sampling (med_ddpm/restart.py) ------------------------------------------------------
+# --- restart sampling (med_ddpm/samplers/restart_sampler.py) ------------------------------------------------------
 
 
 def restart_node(**options) -> dict:

@@ -1,4 +1,4 @@
-"""SA-Solver (med_ddpm/sa_solver.py) on the toy problem (conftest.py): its first order, its weights, its corrector."""
+"""SA-Solver (med_ddpm/samplers/sa_solver.py) on the toy problem (conftest.py): its first order, its weights, its corrector."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import GaussianToy, toy_moments
 
-from med_ddpm.errors import ConfigError
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.samplers import build_sampler
 
-# --- SA-Solver (med_ddpm/sa_solver.py) ------------------------------------------------------------
+# --- SA-Solver (med_ddpm/samplers/sa_solver.py) ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("tau", "variant"), [(1.0, "sde"), (0.0, "ode")])

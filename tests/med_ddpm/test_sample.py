@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from med_ddpm.errors import DataError
+from med_ddpm.config_checks import DataError
 from med_ddpm.sample import BackgroundWriter, MaskConditions, Raised, prepared_masks
 from med_ddpm.utils import atomic_write_text
 

@@ -12,10 +12,8 @@ from hydra import compose, initialize_config_dir
 from monai.networks.schedulers import DDIMScheduler
 from omegaconf import OmegaConf
 
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.errors import ConfigError, check_sampler
-from med_ddpm.restart import RestartSampler
-from med_ddpm.sa_solver import SASolverSampler
 from med_ddpm.samplers import (
     SAMPLERS,
     DDIMSampler,
@@ -23,12 +21,14 @@ from med_ddpm.samplers import (
     DEISSampler,
     DPMSolverPPSampler,
     build_sampler,
-    lagrange_exp_weights,
+    check_sampler,
     make_timesteps,
     sample,
     sampler_from_config,
-    strictly_descending,
 )
+from med_ddpm.samplers.base import lagrange_exp_weights, strictly_descending
+from med_ddpm.samplers.restart_sampler import RestartSampler
+from med_ddpm.samplers.sa_solver import SASolverSampler
 
 FEW_STEP = ["ddim", "dpm_solver_pp", "deis", "sa_solver"]
 

@@ -7,7 +7,7 @@ import torch
 from monai.metrics.mmd import compute_mmd
 from scipy.stats import binom
 
-from med_ddpm import stats
+from med_ddpm.quality import stats
 
 N = 32
 IS_B = np.r_[np.zeros(N, bool), np.ones(N, bool)]

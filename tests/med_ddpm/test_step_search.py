@@ -14,12 +14,12 @@ from hydra import compose, initialize_config_dir
 
 from med_ddpm import step_search
 from med_ddpm.checkpoint import save_checkpoint
+from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
-from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.samplers import SPACINGS, sampler_from_config
-from med_ddpm.step_search import (
-    CONFIG_DIR,
+from med_ddpm.samplers import search as step_search_method
+from med_ddpm.samplers.search import (
     denoised_distances,
     interval_costs,
     kl_bound,
@@ -28,6 +28,7 @@ from med_ddpm.step_search import (
     sampler_snippet,
     search,
 )
+from med_ddpm.step_search import CONFIG_DIR
 
 MU, S = 0.2, 0.3  # toy data x₀ ~ N(μ, s²) per voxel
 
@@ -107,7 +108,7 @@ def test_gram_slices_sum_to_the_whole(toy, monkeypatch):
     batches = [(images[i:i + 1], torch.zeros(1, 2, 16, 16, 16)) for i in range(2)]
     model = lambda inp, t: 0.1 * inp[:, :1]  # noqa: E731 - any ε-model will do
     whole = denoised_distances(model, schedule, batches, torch.Generator().manual_seed(0))
-    monkeypatch.setattr(step_search, "GRAM_CHUNK", 1000)  # 4096 voxels a volume: 5 slices, the last one short
+    monkeypatch.setattr(step_search_method, "GRAM_CHUNK", 1000)  # 4096 voxels a volume: 5 slices, the last one short
     sliced = denoised_distances(model, schedule, batches, torch.Generator().manual_seed(0))
     assert np.allclose(sliced, whole, rtol=1e-9, atol=1e-12) and whole[100, 0] > 0
 

@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 
 from med_ddpm import train as train_mod
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
+from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import diffusion_loss
-from med_ddpm.phantoms import write_phantom_niftis
 from med_ddpm.sample import run as run_sample
 from med_ddpm.train import EpochSampler, build, fit
 from optim import UnsupportedRecipeError
@@ -190,7 +190,7 @@ def test_sample_loads_what_train_saved(trained):
 
 def test_sample_cli_takes_an_original_medddpm_checkpoint(reference_dir, tmp_path):
     """The original format carries no image size: each mask is sampled at its own size."""
-    from med_ddpm.phantoms import write_phantom_niftis
+    from med_ddpm.data.phantoms import write_phantom_niftis
 
     write_phantom_niftis(tmp_path / "data", 1, (32, 32, 32))
     mask = next((tmp_path / "data" / "mask").glob("*.nii.gz"))
@@ -230,8 +230,8 @@ def test_ema_follows_medddpm(tmp_path):
 
 
 def test_sample_cli_names_a_mask_the_network_cannot_take(reference_dir, tmp_path):
-    from med_ddpm.errors import DataError
-    from med_ddpm.phantoms import write_phantom_niftis
+    from med_ddpm.config_checks import DataError
+    from med_ddpm.data.phantoms import write_phantom_niftis
 
     write_phantom_niftis(tmp_path / "data", 1, (20, 32, 32))  # 20 does not halve 4 times
     mask = next((tmp_path / "data" / "mask").glob("*.nii.gz"))

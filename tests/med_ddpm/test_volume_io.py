@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from med_ddpm.data import load_condition
-from med_ddpm.errors import DataError
-from med_ddpm.phantoms import SyntheticPhantoms
-from med_ddpm.volume_io import cond_to_labels, save_montage_png, save_volume_like
+from med_ddpm.config_checks import DataError
+from med_ddpm.data.datasets import load_condition
+from med_ddpm.data.phantoms import SyntheticPhantoms
+from med_ddpm.data.volume_io import cond_to_labels, save_montage_png, save_volume_like
 
 WHOLE_HEAD = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "whole_head"
 
@@ -87,7 +87,7 @@ def test_crop_or_pad_inverse_is_exact_for_odd_differences(ref_shape):
     """Loader: MONAI ResizeWithPadOrCrop ref -> (4, 4, 4); writer must put every voxel back in place."""
     from monai.transforms import ResizeWithPadOrCrop
 
-    from med_ddpm.volume_io import invert_crop_or_pad
+    from med_ddpm.data.volume_io import invert_crop_or_pad
 
     ref = torch.arange(float(np.prod(ref_shape))).reshape(1, *ref_shape)
     model = torch.as_tensor(ResizeWithPadOrCrop((4, 4, 4), value=-1.0)(ref))

@@ -1,0 +1,1 @@
+"""Quality evidence for the benchmark: the negative controls and the training-stack verdict with its report."""
