@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 DEMO_DIR ?= outputs/demo
 SWEEP_DIR ?= results/bench
+PRESET ?= evidence
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -56,8 +57,8 @@ bench-smoke: $(STAMP) ## tiny-model CPU sweep over a few recipes (about a minute
 stamp: $(STAMP) ## record git's commit in .provenance.json for a copy of this tree without .git (a GPU machine)
 	$(BIN)/python -m bench.stamp
 
-bench: $(STAMP) ## a benchmark ladder, preset=gpu unless LADDER_ARGS says (LADDER_ARGS='preset=core budget_s=540')
-	$(BIN)/python -m bench.ladder out=$(SWEEP_DIR) $(LADDER_ARGS)
+bench: $(STAMP) ## this GPU's whole evidence, one run (PRESET=evidence; SWEEP_DIR=bench/results/h100), then its report
+	$(BIN)/python -m bench.ladder preset=$(PRESET) out=$(SWEEP_DIR) $(LADDER_ARGS)
 	$(BIN)/python -m bench.report dir=$(SWEEP_DIR)
 
 profile: $(STAMP) ## kernel-level breakdown of one recipe stack (RECIPE='[amp_bf16]' BENCH=train_step PROFILE_ARGS=...)

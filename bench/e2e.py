@@ -225,12 +225,14 @@ def workload(argv: list[str], timings: Mapping[str, Any] | None) -> dict[str, An
     }
 
 
-def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Run one job (after its cache preparation) and return its row, whatever happened."""
+def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_s: float,
+            cache_dir: Path | None = None) -> dict[str, Any]:
+    """Run one job (after its cache preparation) and return its row, whatever happened. ``cache_dir``: the command's
+    compile-cache folder (default: one per command under ``args["cache_dir"]``, or ``<out>/cache``)."""
     own, overrides = split_job(job)
     job_dir.mkdir(parents=True, exist_ok=True)
     argv = command(own, overrides, args, job_dir)
-    cache_dir = Path(args.get("cache_dir") or Path(args["out"]) / "cache") / own["scenario"] / re.sub(
+    cache_dir = cache_dir or Path(args.get("cache_dir") or Path(args["out"]) / "cache") / own["scenario"] / re.sub(
         r"\W+", "_", " ".join(o for o in overrides if not o.startswith("train.max_steps")))[:120]
     prepare_cache(own, cache_dir, lambda timed: spawn(argv, cache_dir, job_dir / "prime.log", timeout_s))
     shutil.rmtree(job_dir / "run", ignore_errors=True)  # no stale timings.json from the warm-up run

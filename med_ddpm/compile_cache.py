@@ -62,6 +62,17 @@ def code_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def sample_workload(model: Mapping[str, Any], batch: int, size: list[int] | None) -> dict[str, Any]:
+    """A sampling run's workload in its cache key: the network's hyperparameters (``UNet3D.config``), samples per
+    mask and the volume size (``med_ddpm.sample``; a bench job of the same workload names the same file)."""
+    return {"model": dict(model), "batch": int(batch), "size": size}
+
+
+def train_workload(model: Mapping[str, Any], batch: int, grad_accum: int, world_size: int) -> dict[str, Any]:
+    """A training run's workload in its cache key: the model config, micro-batch, accumulation, processes."""
+    return {"model": dict(model), "batch": int(batch), "grad_accum": int(grad_accum), "world_size": int(world_size)}
+
+
 def cache_key(stack: RecipeStack, device: torch.device, workload: Mapping[str, Any]) -> dict[str, Any]:
     """Everything a compiled graph depends on that this project chooses: torch, GPU, recipes, workload."""
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device_name(device),

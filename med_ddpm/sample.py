@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
-from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
+from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report, sample_workload
 from med_ddpm.config_checks import (
     CheckpointError,
     ConfigError,
@@ -264,12 +264,18 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     clock.mark("checkpoint_ready")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
-    cache = CompileCache.for_run(cfg.get("paths", {}).get("compile_cache"), "sample", stack, device,
-                                 {"model": loaded.model.config, "batch": cfg.num_samples, "size": geometry[1]})
+    cache = compile_cache(cfg, loaded, stack, device, geometry[1])
     clock.mark("recipes_ready")
     return SamplingJob(cfg, device, loaded, sampler_from_config(cfg.sampler, loaded.schedule.to(device)), stack,
                        geometry, Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
                        masks)
+
+
+def compile_cache(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, device: torch.device,
+                  size: list[int] | None) -> CompileCache | None:
+    """The project's compile cache for this run's stack and workload (None without a compile recipe)."""
+    return CompileCache.for_run(cfg.get("paths", {}).get("compile_cache"), "sample", stack, device,
+                                sample_workload(loaded.model.config, cfg.num_samples, size))
 
 
 def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> list[float]:

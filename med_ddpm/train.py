@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from med_ddpm import cli, distributed
-from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report
+from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report, train_workload
 from med_ddpm.config_checks import (
     ConfigError,
     OutputError,
@@ -307,8 +307,8 @@ class EpochSampler(Sampler[int]):
 
 def compile_cache(job: Job) -> CompileCache | None:
     """The project's compile cache for this run's stack and workload (None without a compile recipe)."""
-    workload = {"model": OmegaConf.to_container(job.cfg.model, resolve=True), "batch": job.cfg.train.batch_size,
-                "grad_accum": job.cfg.train.grad_accum, "world_size": distributed.world_size()}
+    workload = train_workload(OmegaConf.to_container(job.cfg.model, resolve=True), job.cfg.train.batch_size,
+                              job.cfg.train.grad_accum, distributed.world_size())
     return CompileCache.for_run(job.cfg.get("paths", {}).get("compile_cache"), "train", job.stack, job.device, workload)
 
 

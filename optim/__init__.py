@@ -21,14 +21,16 @@ from optim.narrow_conv import NarrowConvGemm, gemm_narrow_convs
 from optim.sdpa_attention import SdpaAttention, SdpaAttentionCore, use_sdpa_attention
 from optim.stack import RecipeStack
 from optim.tf32 import Tf32, tf32_enabled
+from optim.torch_defaults import TorchDefaults, torch_defaults_enabled
 from optim.upsample import GatherUpsample, use_gather_upsample
 
 __all__ = [
     "Amp", "AttentionCore", "Capabilities", "ChannelsLast3d", "Checkpointing", "Compile", "CudnnBenchmark",
     "DenseConvGrads", "DeviceFiniteGuard", "DeviceInfo", "FusedAdam", "FusedGroupNorm", "FusedGroupNormAct",
     "GatherUpsample", "NarrowConvGemm", "Recipe", "RecipeConflictError", "RecipeStack", "SdpaAttention",
-    "SdpaAttentionCore", "Tf32", "UnsupportedRecipeError", "apply_checkpointing", "autocast_for", "compile_model",
-    "cudnn_benchmark_enabled", "effective_flags", "finite_or_skip", "fuse_groupnorm", "fused_adam_options",
-    "gemm_narrow_convs", "is_channels_last_3d", "skip_update_if_non_finite", "tf32_enabled", "to_channels_last_3d",
+    "SdpaAttentionCore", "Tf32", "TorchDefaults", "UnsupportedRecipeError", "apply_checkpointing",
+    "autocast_for", "compile_model", "cudnn_benchmark_enabled", "effective_flags", "finite_or_skip",
+    "fuse_groupnorm", "fused_adam_options", "gemm_narrow_convs", "is_channels_last_3d",
+    "skip_update_if_non_finite", "tf32_enabled", "to_channels_last_3d", "torch_defaults_enabled",
     "use_dense_conv_grads", "use_gather_upsample", "use_sdpa_attention",
 ]

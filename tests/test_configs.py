@@ -15,7 +15,7 @@ from med_ddpm.data.datasets import build_dataset
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import build_model
 from med_ddpm.samplers import sampler_from_config
-from optim import RecipeConflictError, RecipeStack
+from optim import DeviceInfo, RecipeConflictError, RecipeStack
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
@@ -158,6 +158,18 @@ def test_fast_train_is_the_gather_channels_last_compiled_stack():
     stack = RecipeStack.from_config(cfg.recipe)
     assert stack.optimizer_options() == {"fused": True} and stack.inductor_options() == {"realize_reads_threshold": 6}
     assert "checkpointing" not in names and not compose_cfg("train", ["output_dir=/tmp/x"]).get("recipe")
+
+
+def test_fast_train_fp16_is_fast_train_with_fp16_and_the_loss_scaler():
+    """The variant for GPUs without bf16: ``fast_train``'s stack, options and batch with ``amp_fp16`` in place of
+    ``amp_bf16``; the stack's GradScaler is on, so fused Adam keeps the host guard (the pair is refused otherwise)."""
+    shipped, variant = (compose_cfg("train", [f"experiment={e}", "output_dir=/tmp/x"])
+                        for e in ("fast_train", "fast_train_fp16"))
+    assert [{"amp_bf16": "amp_fp16"}.get(n, n) for n in shipped.recipe] == list(variant.recipe)
+    assert variant.recipe.fused_adam.guard == "host" and variant.train == shipped.train
+    assert all(variant.recipe[n] == shipped.recipe[n] for n in shipped.recipe if n not in ("amp_bf16", "fused_adam"))
+    stack = RecipeStack.from_config(variant.recipe)
+    assert any(r.capabilities.scales_loss for r in stack.recipes) and stack.supported(DeviceInfo("cuda", (7, 0), "V100"))[0]
 
 
 @pytest.mark.parametrize(("config", "overrides", "where"), [

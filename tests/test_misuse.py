@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from bench import floor, micro, precision_attribution, sweep
+from bench import floor, ladder, micro, precision_attribution, sweep
 from bench.core.scenarios import UnsupportedStack, prepared_parts
 from med_ddpm import cli, train, tune
 from med_ddpm import utils as med_utils
@@ -49,7 +49,7 @@ TINY = ["model=tiny", "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "m
 BASE = {"train": [*TINY, "train.progress=false", "train.grad_accum=1"], "sample": [*TINY, "progress=false"],
         "bench": [*TINY, "experiment=bench_smoke"], "evaluate": ["progress=false"], "precision_attribution": TINY,
         "floor": ["model=tiny"], "micro": ["size=4", "compile=false", "iters=1"],
-        "tune": ["~experiment", "++sampler.variant=sde", "device=cpu", "progress=false"]}
+        "tune": ["~experiment", "++sampler.variant=sde", "device=cpu", "progress=false"], "ladder": ["dry_run=true"]}
 
 
 @dataclass
@@ -73,7 +73,7 @@ SLIPS = [Slip(**row) for row in yaml.safe_load((Path(__file__).with_name("misuse
 
 
 def compose_cfg(command: str, overrides: list[str], out: Path | None = None):
-    extra = [f"output_dir={out}"] if out is not None else []
+    extra = [f"{'out' if command == 'ladder' else 'output_dir'}={out}"] if out is not None else []
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         return compose(config_name=command, overrides=[*BASE[command], *extra, *overrides])
 
@@ -98,7 +98,7 @@ def composed_or_refused(capsys, slip: Slip, overrides: list[str], out: Path) -> 
         return line
     check = {"train": train.main, "sample": sample.main, "bench": cli.entry(sweep.check_options),
              "evaluate": evaluate.main, "precision_attribution": precision_attribution.main, "floor": floor.main,
-             "micro": micro.main, "tune": tune.main}[slip.command]
+             "micro": micro.main, "tune": tune.main, "ladder": cli.entry(ladder.run)}[slip.command]
     return refusal(capsys, check, cfg, status=slip.status)
 
 

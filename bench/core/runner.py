@@ -37,6 +37,7 @@ from bench.core.records import (
 from bench.core.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
 from med_ddpm.cli import CONFIG_DIR
+from med_ddpm.config_checks import ConfigError
 
 log = logging.getLogger(__name__)
 RECIPE_DIR = CONFIG_DIR / "recipe"
@@ -138,6 +139,29 @@ def experiment_stack(experiment: str, swap: Mapping[str, str] | None = None) -> 
     options = [f"recipe.{name}.{key}={value}" for name in shipped if name not in swap
                for key, value in shipped[name].items() if plain[name].get(key) != value]
     return [recipe_override(names), *options]
+
+
+def experiment_train_settings(experiment: str) -> list[str]:
+    """``experiment``'s training batch and accumulation as overrides (read from its config, the one source), so
+    a strict-FP32 baseline times the same step as the experiment's stack."""
+    with cli.configs():
+        train = compose("bench", overrides=[f"experiment={experiment}", "bench=train_step", "output_dir=."]).train
+    return [f"train.batch_size={train.batch_size}", f"train.grad_accum={train.grad_accum}"]
+
+
+def picked(jobs: list[Job], only: str, preset: str) -> list[Job]:
+    """The jobs the regex ``only`` finds in their overrides; a pattern that is no regex, or names no job, is refused
+    (not a ladder that reports 0 jobs left)."""
+    try:
+        pattern = re.compile(str(only))
+    except re.error as err:
+        raise ConfigError(f"only={only}: not a regular expression ({err}); quote it on the command line: "
+                          "\"only='...'\"") from err
+    chosen = [job for job in jobs if pattern.search(" ".join(job))]
+    if not chosen:
+        raise ConfigError(f"only={only}: names none of preset={preset}'s {len(jobs)} jobs; pass a regex over their "
+                          f"overrides (preset={preset} dry_run=true lists them)")
+    return chosen
 
 
 def _recipes_of(overrides: list[str]) -> DictConfig:

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import math
@@ -46,6 +47,7 @@ from bench.core.timing import (
     time_fn,
     time_once,
 )
+from med_ddpm.compile_cache import CompileCache, sample_workload, train_workload
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.quality.probe import randomize_zero_init
@@ -77,6 +79,12 @@ class Parts:
     stack: RecipeStack
     x0: torch.Tensor
     cond: torch.Tensor
+    cache: CompileCache | None = None  # the commands' compile cache this job shares (bench.compile_cache)
+
+    def for_workload(self, cfg: Mapping, device: torch.device) -> Parts:
+        """These parts with ``cfg``'s inputs (its batch), for another workload of one model and stack."""
+        x0, cond = make_inputs(cfg["model"], batch_size(cfg), device, int(cfg["seed"]))
+        return dataclasses.replace(self, x0=x0, cond=cond)
 
 
 def make_inputs(model_cfg: Mapping, batch_size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,9 +216,22 @@ def _with_ema(cfg: Mapping) -> bool:
     return cfg["bench"]["scenario"] == "train_step" and bool(cfg["bench"]["ema"])
 
 
+def compile_cache(cfg: Mapping, stack: RecipeStack, net: UNet3D, device: torch.device) -> CompileCache | None:
+    """The commands' compile cache in ``bench.compile_cache``, under the key ``med_ddpm.sample`` or
+    ``med_ddpm.train`` gives the same stack and workload, so a bench job and a command share one compilation; None
+    when unset or when the stack compiles nothing."""
+    if cfg["bench"]["scenario"] == "train_step":
+        train = cfg["train"]
+        name, workload = "train", train_workload(cfg["model"], train["batch_size"], train["grad_accum"], 1)
+    else:
+        name, workload = "sample", sample_workload(net.config, batch_size(cfg), list(cfg["model"]["image_size"]))
+    return CompileCache.for_run(cfg["bench"].get("compile_cache"), name, stack, device, workload)
+
+
 @contextlib.contextmanager
-def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
-    """Inside the stack's session: the prepared model, its EMA (train step), schedule, stack and inputs.
+def prepared_parts(cfg: Mapping, device: torch.device, ema: bool | None = None) -> Iterator[Parts]:
+    """Inside the stack's session: the prepared model, its EMA (train step, or ``ema``), schedule, stack, inputs
+    and the compile cache it loaded.
 
     Raises:
         UnsupportedStack: a recipe cannot run on ``device``.
@@ -224,10 +245,14 @@ def prepared_parts(cfg: Mapping, device: torch.device) -> Iterator[Parts]:
     with stack.session():
         # random (not zero-initialised) residual branches: real data through every kernel, real NaN checks
         net = randomize_zero_init(build_model(cfg["model"]), int(cfg["seed"])).to(device)
-        ema = new_ema(net, float(cfg["train"]["ema_decay"])) if _with_ema(cfg) else None  # before prepare, as build()
+        with_ema = _with_ema(cfg) if ema is None else ema
+        ema_model = new_ema(net, float(cfg["train"]["ema_decay"])) if with_ema else None  # before prepare, as build()
         schedule = NoiseSchedule.from_config(cfg["diffusion"]).to(device)
         x0, cond = make_inputs(cfg["model"], batch_size(cfg), device, int(cfg["seed"]))
-        yield Parts(net, stack.prepare_model(net), ema, schedule, stack, x0, cond)
+        cache = compile_cache(cfg, stack, net, device)
+        if cache is not None:
+            cache.load()
+        yield Parts(net, stack.prepare_model(net), ema_model, schedule, stack, x0, cond, cache)
 
 
 @contextlib.contextmanager
@@ -238,42 +263,56 @@ def prepared_step(cfg: Mapping, device: torch.device) -> Iterator[tuple[Step, Re
 
 
 def run_scenario(cfg: Mapping, device: torch.device, wrap_step: Callable[[Step], Step] | None = None) -> dict[str, Any]:
-    """Warm up and time one scenario under its recipe stack; return the row's measurements.
-
-    The first call is timed on its own (``first_call_s``; when the stack compiles or captures
-    graphs, ``compile_s`` = that less the median call), then ``bench.warmup`` untimed and
-    ``bench.iters`` timed calls.
-
-    Args:
-        cfg: resolved bench config (``model``, ``diffusion``, ``sampler``, ``recipe``, ``bench``, ``seed``).
-        device: where to run.
-        wrap_step: test hook wrapped around the step (fault injection).
+    """Warm up and time one scenario under its recipe stack; return the row's measurements
+    (:func:`time_workload` on freshly :func:`prepared_parts`).
 
     Raises:
         UnsupportedStack: a recipe cannot run on ``device``.
         NonFiniteOutput: the first or last timed call produced NaN/Inf, or the guard skipped a step.
     """
-    bench = cfg["bench"]
-    with prepared_step(cfg, device) as (step, stack):
-        if wrap_step is not None:
-            step = wrap_step(step)
-        last: dict[str, torch.Tensor] = {}
+    with prepared_parts(cfg, device) as parts:
+        return time_workload(parts, cfg, device, wrap_step)
+
+
+def time_workload(parts: Parts, cfg: Mapping, device: torch.device,
+                  wrap_step: Callable[[Step], Step] | None = None) -> dict[str, Any]:
+    """Warm up and time ``cfg``'s scenario on prepared ``parts`` (inside their session); the row's measurements.
+
+    The first call is timed on its own (``first_call_s``; when the stack compiles or captures graphs,
+    ``compile_s`` = that less the median call) unless ``bench.time_first_call`` is false (a process that is warm
+    already: a minute-long sample is then timed once), then ``bench.warmup`` untimed and ``bench.iters`` timed
+    calls. The compile cache is saved after them (nothing is written when it was warm).
+
+    Args:
+        parts: from :func:`prepared_parts` (:meth:`Parts.for_workload` for another workload of one process).
+        cfg: resolved bench config (``model``, ``diffusion``, ``sampler``, ``recipe``, ``bench``, ``seed``).
+        device: where to run.
+        wrap_step: test hook wrapped around the step (fault injection).
+    """
+    bench, stack = cfg["bench"], parts.stack
+    step = SCENARIOS[bench["scenario"]](parts, cfg)
+    if wrap_step is not None:
+        step = wrap_step(step)
+    last: dict[str, torch.Tensor] = {}
+    first_call_s = None
+    if bench.get("time_first_call", True):
         first_call_s = time_once(lambda: last.update(out=step()), device)
         _check_finite(last["out"], "on the first call")
-        timings = time_fn(lambda: last.update(out=step()), warmup=int(bench["warmup"]),
-                          iters=int(bench["iters"]), device=device)
-        _check_finite(last["out"], "after the timed calls")
-        if stack.guard.skipped:  # a skipped step is not the step being timed
-            raise NonFiniteOutput(f"{stack.guard.skipped} step(s) skipped by the non-finite-loss guard while timing")
-        with stack.forward_context():
-            precision = active_precision(device.type)
-        describe = stack.describe()
-        compiles = stack.slow_first_call
-        inert = stack.inert(device)  # recipes that changed nothing here: bench.report gives them no speed-up
-    return {**_measurements(cfg, device, timings, first_call_s, precision, describe, compiles), "inert_recipes": inert}
+    timings = time_fn(lambda: last.update(out=step()), warmup=int(bench["warmup"]), iters=int(bench["iters"]),
+                      device=device)
+    _check_finite(last["out"], "after the timed calls")
+    if parts.cache is not None:
+        parts.cache.save()
+    if stack.guard.skipped:  # a skipped step is not the step being timed
+        raise NonFiniteOutput(f"{stack.guard.skipped} step(s) skipped by the non-finite-loss guard while timing")
+    with stack.forward_context():
+        precision = active_precision(device.type)
+    fields = _measurements(cfg, device, timings, first_call_s, precision, stack.describe(), stack.slow_first_call)
+    # recipes that changed nothing here: bench.report gives them no speed-up
+    return {**fields, "inert_recipes": stack.inert(device)}
 
 
-def _measurements(cfg: Mapping, device: torch.device, timings, first_call_s: float, precision: str,
+def _measurements(cfg: Mapping, device: torch.device, timings, first_call_s: float | None, precision: str,
                   describe: Any, compiles: bool) -> dict[str, Any]:
     volumes = volumes_per_call(cfg)
     seconds = timings.median / 1e3
@@ -285,7 +324,8 @@ def _measurements(cfg: Mapping, device: torch.device, timings, first_call_s: flo
         "iqr_pct": timings.iqr_pct, "ms_mean": timings.mean, "ms_std": timings.std,
         "iters": len(timings.samples), "warmup": int(cfg["bench"]["warmup"]),
         # compile time = the first call's wall time less one ordinary call
-        "first_call_s": first_call_s, "compile_s": first_call_s - seconds if compiles else None,
+        "first_call_s": first_call_s,
+        "compile_s": first_call_s - seconds if compiles and first_call_s is not None else None,
         "peak_mem_gib": peak_memory_gib(device),
         "volumes_per_s": volumes / seconds,
         "voxels_per_s": volumes * math.prod(cfg["model"]["image_size"]) / seconds,

@@ -6,6 +6,9 @@ the next and make results depend on job order. Each job therefore runs here, in 
 interpreter (``python -m bench.core.worker JOB.json ROW.json``); a CUDA OOM, a NaN, a refused recipe,
 a Python error or even a segfault ends that job with a row saying so, and the sweep goes on.
 
+A list of jobs of one model and recipe stack runs in one process instead (one start-up, one model, one
+compilation: the ladder's ``process``), each with its own inputs, warm-up, timing and row.
+
 The worker writes a placeholder row (status ``error``, with the environment) before it
 starts measuring, so a hard crash still leaves a row that :func:`run_job` completes with the
 exit code and the stderr tail.
@@ -36,13 +39,16 @@ from omegaconf import OmegaConf
 from bench.core.records import MEASURED_FIELDS, provenance
 from bench.core.scenarios import (
     NonFiniteOutput,
+    Parts,
     Step,
     UnsupportedStack,
     batch_size,
-    run_scenario,
+    prepared_parts,
     sampler_calls,
+    time_workload,
 )
 from bench.core.subprocesses import STDERR_TAIL
+from bench.core.timing import flush
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.quality.probe import gate_from_config
 from med_ddpm.samplers import sampler_options
@@ -124,30 +130,57 @@ def base_row(job: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure(job: Mapping[str, Any], row_path: Path) -> dict[str, Any]:
-    """Run the job in this process and write its row (placeholder first, then the result)."""
-    cfg = job["config"]
+def measure(jobs: list[Mapping[str, Any]], row_path: Path) -> list[dict[str, Any]]:
+    """Run ``jobs`` in this process and write their rows as they finish (placeholders first).
+
+    Several jobs share one model, recipe stack and compilation (``bench.ladder``'s processes: one start-up and one
+    warm-up for the rows of a stack); each has its own inputs, warm-up and timed calls, and its own peak memory. A
+    failure of one is its row; one of the shared preparation (a refused stack) is every row's."""
+    cfg = jobs[0]["config"]
     device = resolve_device(cfg["device"])
     if cfg["bench"].get("threads"):
         torch.set_num_threads(int(cfg["bench"]["threads"]))
-    row = {**base_row(job), "env": env_info(device)}
-    atomic_write_text(row_path, json.dumps(row, default=str))
+    rows = [{**base_row(job), "env": env_info(device)} for job in jobs]
+    atomic_write_text(row_path, json.dumps(rows, default=str))
+    try:
+        with prepared_parts(cfg, device, ema=any(_trains(job) for job in jobs)) as parts:
+            for n, job in enumerate(jobs):
+                if n:
+                    flush(device)
+                rows[n].update(_timed(job, parts.for_workload(job["config"], device) if n else parts, device))
+                atomic_write_text(row_path, json.dumps(rows, default=str))
+    except Exception as err:  # failure is data: the preparation's exception ends every row not yet measured
+        status, message = classify(err)
+        for row in rows:
+            if row["message"] == PLACEHOLDER:
+                row.update(status=status, message=message)
+    atomic_write_text(row_path, json.dumps(rows, default=str))
+    return rows
+
+
+def _trains(job: Mapping[str, Any]) -> bool:
+    return job["config"]["bench"]["scenario"] == "train_step" and bool(job["config"]["bench"]["ema"])
+
+
+def _timed(job: Mapping[str, Any], parts: Parts, device: torch.device) -> dict[str, Any]:
+    """One job's measurement on prepared parts, its failure as status and message, its warnings and its gate."""
+    cfg = job["config"]
     inject = cfg["bench"].get("inject")
     wrap = (lambda step: inject_fault(step, str(inject))) if inject else None  # YAML reads nan as a float
+    fields: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         try:
-            row.update(run_scenario(cfg, device, wrap_step=wrap), status="ok", message="")
+            fields.update(time_workload(parts, cfg, device, wrap_step=wrap), status="ok", message="")
         except Exception as err:  # failure is data: every exception becomes a row
-            row["status"], row["message"] = classify(err)
-    row["warnings"] = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
-    if row["status"] == "ok" and cfg["bench"].get("quality"):
+            fields["status"], fields["message"] = classify(err)
+    fields["warnings"] = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+    if fields["status"] == "ok" and cfg["bench"].get("quality"):
         try:
-            row["quality"] = quality_report(cfg, device)
+            fields["quality"] = quality_report(cfg, device)
         except Exception as err:  # the timing stands; the gate's failure is reported in its place
-            row["quality"] = {"verdict": "error", "reasons": [classify(err)[1]]}
-    atomic_write_text(row_path, json.dumps(row, default=str))
-    return row
+            fields["quality"] = {"verdict": "error", "reasons": [classify(err)[1]]}
+    return fields
 
 
 def _text(stream: bytes | str | None) -> str:
@@ -167,33 +200,41 @@ def cut_by_budget(row: Mapping[str, Any], timeout_s: float, own_limit_s: float, 
     return row["message"].startswith(TIMEOUT_PREFIX) and timeout_s < min(own_limit_s, 0.9 * budget_s)
 
 
-def run_job(job: Mapping[str, Any], job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Run ``job`` in a fresh ``python -m bench.core.worker`` and return its row, whatever happened.
+def run_job(job: Mapping[str, Any] | list[Mapping[str, Any]], job_dir: Path, timeout_s: float,
+            env: Mapping[str, str] | None = None) -> Any:
+    """Run ``job`` in a fresh ``python -m bench.core.worker`` and return its row, whatever happened; a list of jobs
+    (one model and stack) runs in one process and returns their rows.
 
     Args:
-        job: ``{"config": resolved config dict, "model": name, "recipes": [names]}``.
+        job: ``{"config": resolved config dict, "model": name, "recipes": [names]}``, or a list of them.
         job_dir: gets job.json, row.json and worker.log.
         timeout_s: wall limit; a job past it is killed and recorded as ``error``.
+        env: environment variables the worker gets on top of this process's.
     """
+    jobs = job if isinstance(job, list) else [job]
     job_dir.mkdir(parents=True, exist_ok=True)
     job_path, row_path, log_path = job_dir / "job.json", job_dir / "row.json", job_dir / "worker.log"
-    atomic_write_text(job_path, json.dumps(job, default=str))
+    atomic_write_text(job_path, json.dumps(jobs, default=str))
     row_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "bench.core.worker", str(job_path), str(row_path)]
     code = provenance()  # the commit that is measured: read before the job, not when its row is appended
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, **(env or {})})
         returncode, stderr = proc.returncode, proc.stderr
         log_path.write_text(proc.stdout + proc.stderr, encoding="utf-8")
     except subprocess.TimeoutExpired as err:
         returncode, stderr = None, _text(err.stderr)
-    row = json.loads(row_path.read_text()) if row_path.exists() else base_row(job)
-    if row["message"] == PLACEHOLDER:
-        why = f"{TIMEOUT_PREFIX} after {timeout_s:.0f} s" if returncode is None else f"worker {_exit_reason(returncode)}"
-        row["message"] = f"{why}; stderr tail:\n{stderr[-STDERR_TAIL:]}"
-    row["wall_s"] = time.perf_counter() - start
-    return {**row, **code}
+    rows = json.loads(row_path.read_text()) if row_path.exists() else [base_row(j) for j in jobs]
+    why = f"{TIMEOUT_PREFIX} after {timeout_s:.0f} s" if returncode is None else f"worker {_exit_reason(returncode)}"
+    wall_s = time.perf_counter() - start  # the process's, for each of its rows
+    for row in rows:
+        if row["message"] == PLACEHOLDER:
+            row["message"] = f"{why}; stderr tail:\n{stderr[-STDERR_TAIL:]}"
+        row["wall_s"] = wall_s
+    rows = [{**row, **code} for row in rows]
+    return rows if isinstance(job, list) else rows[0]
 
 
 def main(argv: list[str]) -> int:
@@ -201,8 +242,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m bench.core.worker JOB.json ROW.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
-    row = measure(job, Path(argv[1]))
-    print(json.dumps({k: row.get(k) for k in ("scenario", "recipes", "status", "ms_median", "message")}))
+    for row in measure(job if isinstance(job, list) else [job], Path(argv[1])):
+        print(json.dumps({k: row.get(k) for k in ("scenario", "recipes", "status", "ms_median", "message")}))
     return 0
 
 

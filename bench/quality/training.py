@@ -47,7 +47,7 @@ import queue
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ import torch
 from hydra import compose
 from omegaconf import DictConfig
 
+from bench.core import presets
 from bench.core.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
 from bench.core.runner import Job, experiment_stack, run_ladder
 from bench.core.subprocesses import spawn
@@ -276,17 +277,11 @@ def frozen_weights(checkpoint: Path) -> str:
     return str(frozen)
 
 
-def quality_pair_ladder(reference: str | None, candidate: str | None) -> Iterator[Job]:
-    """Two checkpoints of the quality model gated against each other (``quality.candidate_checkpoint``): the
-    reference's EMA weights and the candidate's, both strict-FP32 DDPM-250 with the same N masks and noise, so
-    only the weights differ. The row's time is the reference's FP32 forward. ``preset=quality_training`` gates each
-    model it trains against its FP32 reference with this preset."""
-    if reference is None or candidate is None:
-        raise ConfigError("checkpoint, candidate_checkpoint: preset=quality_pair gates two sets of weights; pass "
-                          "checkpoint=PATH (the reference's) and candidate_checkpoint=PATH")
-    yield ["model=quality_model", "bench=denoise_step", "bench.batch_size=4", "bench.warmup=1", "bench.iters=3",
-           "recipe=[]", "sampler=ddpm", "bench.quality=true", f"bench.checkpoint={reference}",
-           f"quality.candidate_checkpoint={candidate}"]
+def quality_pair_ladder(reference: str | None, candidate: str | None) -> list[Job]:
+    """The jobs of ``preset=quality_pair`` (``configs/ladder/preset/quality_pair.yaml``) for two checkpoints of the
+    quality model: the reference's and the candidate's EMA weights gated against each other."""
+    return [job.overrides for job in presets.jobs("quality_pair", {"checkpoint": reference,
+                                                                   "candidate_checkpoint": candidate})]
 
 
 def gated_pairs(runs: Path, arms: Sequence[str]) -> dict[str, tuple[str, str]]:

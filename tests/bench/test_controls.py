@@ -6,10 +6,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from bench.core import presets
 from bench.core.records import job_key, recipe_label
 from bench.core.runner import compose_job
 from bench.core.worker import base_row
-from bench.ladder import quality_ladder
 from bench.quality.controls import EpsNoise, EpsScale, SkipGroupNorm
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
@@ -95,6 +95,10 @@ def test_tf32_on_a_cpu_is_the_strict_fp32_run_itself():
     assert Tf32().capabilities.inert_on(DeviceInfo.of("cpu"))
     report = _gate("recipe=[tf32]")
     assert report.metrics["eps_rel_l2"] == 0.0 and report.metrics["x0_nrmse"] == 0.0, report.reasons
+
+
+def quality_ladder(checkpoint):
+    return [job.overrides for job in presets.jobs("quality", {"checkpoint": checkpoint})]
 
 
 def test_quality_ladder_runs_controls_and_shipped_stacks_at_n32(tmp_path):

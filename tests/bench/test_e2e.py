@@ -11,6 +11,7 @@ import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from bench.core import presets
 from bench.core.records import read_rows
 from bench.e2e import (
     command,
@@ -23,7 +24,7 @@ from bench.e2e import (
     train_split,
     workload,
 )
-from bench.ladder import e2e_args, e2e_ladder
+from bench.ladder import e2e_args
 from med_ddpm.config_checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def test_every_e2e_job_is_a_command_that_composes(tmp_path):
     """The ladder's e2e jobs are the README's commands: fast_train takes data.root and trains graphed at
     batch 2 without accumulation; fast_sample samples the masks it is given."""
     rows = {}
-    for n, job in enumerate(e2e_ladder()):
+    for n, job in enumerate(j.overrides for j in presets.jobs("e2e", {})):
         own, overrides = split_job(job)
         argv = command(own, overrides, args_for(tmp_path), tmp_path / f"job{n}")
         rows[" ".join(job)] = workload(argv, None)

@@ -12,10 +12,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import bench.quality.training as quality_training
+from bench.core import presets
 from bench.core.records import baseline_key, job_key, recipe_label
 from bench.core.runner import compose_job, missing_recipes
 from bench.core.worker import base_row
-from bench.ladder import COMMAND_PRESETS, PRESETS, e2e_ladder, ladder_jobs, run
+from bench.ladder import COMMAND_PRESETS, ladder_jobs, run
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
 
@@ -39,7 +40,7 @@ def experiment(config: str, name: str):
         return compose(config, overrides=[f"experiment={name}", required])
 
 
-@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"e2e"}))  # e2e jobs are CLI runs: tests/bench/test_e2e.py
+@pytest.mark.parametrize("preset", sorted(set(presets.names()) - {"e2e", "evidence"}))  # CLI runs: test_e2e, test_evidence
 def test_every_job_composes_and_is_unique(preset, tmp_path):
     jobs = jobs_of(preset, tmp_path)
     assert jobs and all(not missing_recipes(job) for job in jobs)
@@ -75,9 +76,11 @@ def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=tuning", f"out={tmp_path}"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
-        f"error: bench.ladder: unknown preset=tuning; known: {', '.join({**PRESETS, **COMMAND_PRESETS})}")
-    assert {"smoke", "gpu", "core", "targets", "quality", "quality_pair", "samplers", "e2e"} <= set(PRESETS)
-    assert set(COMMAND_PRESETS) == {"e2e", "quality_training"}
+        f"error: bench.ladder: unknown preset=tuning; known: "
+        f"{', '.join(dict.fromkeys([*presets.names(), *COMMAND_PRESETS]))}")
+    assert {"smoke", "gpu", "core", "targets", "quality", "quality_pair", "samplers", "e2e", "evidence"} <= set(
+        presets.names())
+    assert set(COMMAND_PRESETS) == {"e2e", "quality_training", "evidence"}
 
 
 def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):
@@ -122,7 +125,7 @@ def test_a_dry_run_of_the_e2e_preset_lists_its_commands_and_runs_none(tmp_path, 
     left = run(ladder_cfg(out, "preset=e2e", "dry_run=true", f"e2e.data_root={tmp_path}",
                           f"e2e.checkpoint={tmp_path / 'model.pt'}"))
     todo = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[todo]")]
-    assert left == len(todo) == len(list(e2e_ladder())) and "experiment=fast_train" in todo[3]
+    assert left == len(todo) == len(presets.jobs("e2e", {})) and "experiment=fast_train" in todo[3]
     assert not (out / "results.jsonl").exists() and not (out / "jobs").exists()
 
 
@@ -182,7 +185,7 @@ def test_only_adds_no_missing_baselines(tmp_path, monkeypatch, only):
     append_row(tmp_path / RESULTS_FILE, {**base_row(compose_job(job, tmp_path / "job")), "status": "ok", "message": ""})
     completed = []
     monkeypatch.setattr(runner.EnsureBaseline, "complete", lambda out, budget_s: completed.append(out))
-    monkeypatch.setattr(ladder, "PRESETS", {**ladder.PRESETS, "smoke": lambda cfg: iter([job])})
+    monkeypatch.setattr(ladder.presets, "jobs", lambda name, cfg: [presets.PresetJob("amp_bf16", job)])
     run(ladder_cfg(tmp_path, "preset=smoke", "budget_s=60", *(["only=amp_bf16"] if only else [])))
     assert completed == ([] if only else [tmp_path])
 

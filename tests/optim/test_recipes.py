@@ -17,9 +17,13 @@ from optim import (
     CudnnBenchmark,
     FusedGroupNorm,
     FusedGroupNormAct,
+    RecipeConflictError,
     RecipeStack,
     SdpaAttentionCore,
+    Tf32,
+    TorchDefaults,
     apply_checkpointing,
+    effective_flags,
     fuse_groupnorm,
     is_channels_last_3d,
     use_sdpa_attention,
@@ -264,3 +268,18 @@ def test_cudnn_benchmark_limit_times_every_engine_and_restores() -> None:
     assert "cudnn.benchmark_limit" not in CudnnBenchmark().capabilities.flags  # null keeps torch's default
     with pytest.raises(ValueError, match="limit must be a non-negative int"):
         CudnnBenchmark(limit=-1)
+
+
+def test_torch_defaults_sets_torch_defaults_over_the_strict_baseline_and_restores() -> None:
+    """Inside the session: conv TF32 on, matmul IEEE, benchmark off, whatever the process set before; the previous
+    raw values come back on exit. tf32 and cudnn_benchmark set those flags otherwise: the stack refuses each pair."""
+    with RecipeStack([CudnnBenchmark()]).session():  # a process that changed the defaults earlier
+        before = effective_flags()
+        with RecipeStack([TorchDefaults()]).session():
+            inside = effective_flags()
+        assert effective_flags() == before
+    assert (inside["cudnn.conv.fp32_precision"], inside["cuda.matmul.fp32_precision"]) == ("tf32", "ieee")
+    assert inside["cudnn.benchmark"] is False
+    for other in (Tf32(), CudnnBenchmark()):
+        with pytest.raises(RecipeConflictError, match="'torch_defaults' and|and 'torch_defaults'"):
+            RecipeStack([TorchDefaults(), other])
