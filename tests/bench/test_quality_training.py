@@ -236,9 +236,9 @@ def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):
 @pytest.mark.slow
 def test_tiny_runs_train_gate_and_the_control_fails_while_a_fresh_seed_passes(tmp_path):
     """Tiny model on the CPU, 100 steps each, quality_model's own stack (amp_bf16; fast_train's compiles for CUDA):
-    the whole preset through the ladder command. 4x the learning rate trains the tiny model much further in 100
-    steps (its validation loss lies about 6 sd below the FP32 runs'): the control fails; the last FP32 seed, judged
-    against the other three, passes."""
+    the whole preset through the ladder command. 4x the learning rate trains the tiny model further in 100 steps
+    (its validation loss lies about 4 sd below the five FP32 runs'): the control fails; the last FP32 seed, judged
+    against the other three, passes, and so does the stack. Tens of minutes on a busy CPU."""
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = [f"quality_training.runs={runs}", "quality_training.steps=100", "quality_training.image_size=null",
             "quality_training.experiment=quality_model",
@@ -260,7 +260,8 @@ def test_tiny_runs_train_gate_and_the_control_fails_while_a_fresh_seed_passes(tm
     assert {n: c["outcome"] for n, c in verdict["controls"].items()} == {"control": "fail", "fresh_seed": "pass"}
     assert verdict["controls_ok"] and verdict["verdict"] == verdict["stack_outcome"]
     control = verdict["controls"]["control"]["checks"]["val_loss"]
-    assert control["status"] == "beyond" and control["effect_size"] < -5  # it trained faster than FP32 does
+    assert control["status"] == "beyond" and control["effect_size"] < -3.5  # it trained faster than FP32 does
+    assert verdict["verdict"] == "pass"
     assert verdict["val_loss"] == {arm: curves["summary"][arm]["val_loss"] for arm in arms}
     assert verdict["checks"]["kid_vs_ref"]["value"] == rows[-2]["quality"]["checks"]["kid_vs_ref"]["value"]
     assert f"**{verdict['verdict']}**" in (out / "training.md").read_text()  # bench.quality.training_report's page
