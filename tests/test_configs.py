@@ -83,7 +83,8 @@ def test_sampler_configs_build(sampler):
 
 def test_every_pair_of_recipes_combines_or_conflicts_clearly():
     """Every two recipes compose into one stack holding both, or are refused with an error naming both; the only
-    refusals are two recipes of one kind (two AMPs, two compiles)."""
+    refusals are two recipes of one kind (two AMPs, two compiles) and two that set one backend flag differently
+    (torch_defaults' TF32 convolutions and cuDNN autotuning off against tf32 and cudnn_benchmark)."""
     names = sorted(p.stem for p in (CONFIGS / "recipe").glob("*.yaml"))
     refused = set()
     for pair in itertools.combinations(names, 2):
@@ -93,7 +94,8 @@ def test_every_pair_of_recipes_combines_or_conflicts_clearly():
         except RecipeConflictError as err:
             assert str(err).startswith(f"recipes {pair[0]!r} and {pair[1]!r} cannot be combined"), err
             refused.add(pair)
-    assert refused == {("amp_bf16", "amp_fp16"), ("compile", "compile_cudagraphs")}
+    assert refused == {("amp_bf16", "amp_fp16"), ("compile", "compile_cudagraphs"), ("tf32", "torch_defaults"),
+                       ("cudnn_benchmark", "torch_defaults")}
 
 
 def test_data_configs_instantiate(shared_dir):
