@@ -209,14 +209,15 @@ def tail_losses(curves: dict[str, tuple[list[int], list[float]]]) -> dict[str, A
 def validation_losses(runs: Path, arms: Sequence[str], device: torch.device) -> dict[str, float]:
     """Each run's EMA weights' ε-MSE on :data:`VALIDATION_PHANTOMS` held-out phantoms, :data:`VALIDATION_DRAWS` fixed
     (t, ε) each, the same for every run (:func:`bench.quality.validation.validation_loss`)."""
-    out = {}
+    out, phantoms = {}, None
     for arm in arms:
         loaded = load_checkpoint(runs / arm / "checkpoints" / "last.pt", weights="ema")
         model, schedule = loaded.model.to(device).eval(), loaded.schedule.to(device)
-        variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
-        images, conds = held_out_phantoms(VALIDATION_PHANTOMS, tuple(loaded.config["model"]["image_size"]), variant)
+        if phantoms is None:  # every run is the quality model at one size: the same phantoms for all
+            variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
+            phantoms = held_out_phantoms(VALIDATION_PHANTOMS, tuple(loaded.config["model"]["image_size"]), variant)
         with RecipeStack([]).session():
-            out[arm] = validation_loss(model, schedule, images, conds, device, draws=VALIDATION_DRAWS)
+            out[arm] = validation_loss(model, schedule, *phantoms, device, draws=VALIDATION_DRAWS)
     return out
 
 
