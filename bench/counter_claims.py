@@ -1,18 +1,12 @@
 """The study's counter claims against this GPU's counters: ``counters.md`` and ``counters_claims.png``.
 
-The seed study (ICPE 2026, "Performance Analysis and Optimization of 3D Generative Diffusion Models
-across GPU Architectures") reports that TF32 plus a channels-last 3-D layout "reduce SM cycles by up to
-100x, cut dynamic instructions by 100x, raise Tensor Core utilization 1.45-9.98x, and increase IPC by
-7 % on A100". For every workload (scenario, size, batch) in a ``counters.jsonl``, each stack is set
-against the strict-FP32 row of the same file, so of the same run (a page built from several folders, one device
-call each, marks a stack measured in another run than its baseline: that factor is not a same-run ratio; a stack
-profiled with another ``counters.kernel_filter`` than its baseline is marked too: its factors compare other kernels):
-
-* reduction factors = baseline / stack, for SM cycles and warp instructions summed over the step's kernels;
-* tensor-pipe ratio = stack / baseline of the time-weighted tensor-pipe use (a strict-FP32 step runs its
-  convolutions on the FMA pipe: under :data:`MIN_TENSOR_PCT` the baseline gives no ratio, only the stack's
-  own percentage, since a ratio over a rounding-level baseline says nothing);
-* IPC change = stack / baseline - 1.
+The seed study's claims about TF32 plus a channels-last 3-D layout on the A100 are in
+:mod:`bench.reporting.evidence`, with the factors that set a stack against them (reductions of kernel time, SM
+cycles and instructions, tensor-pipe ratio, IPC change). For every workload (scenario, size, batch) in a
+``counters.jsonl``, each stack is set against the strict-FP32 row of the same file, so of the same run (a page
+built from several folders, one device call each, marks a stack measured in another run than its baseline: that
+factor is not a same-run ratio; a stack profiled with another ``counters.kernel_filter`` than its baseline is
+marked too: its factors compare other kernels).
 
 Then, per stack, where its kernel time goes by category with each category's counters, and ncu's
 rule-estimated savings when they were collected.
@@ -30,13 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.core.records import baseline_key, code_label, is_baseline, read_rows, recipe_label
+from bench.reporting.evidence import CLAIM_FACTOR, STUDY, compare
 from med_ddpm.utils import atomic_write_text, save_figure
 
 ROWS_FILE = "counters.jsonl"
 MARKDOWN, PLOT = "counters.md", "counters_claims.png"
-STUDY = {"label": "study (A100, TF32 + channels-last 3-D)", "sm_cycles": "up to 100x", "inst": "100x",
-         "tensor": "1.45-9.98x", "ipc": "+7 %"}
-CLAIM_FACTOR = 100.0  # the study's SM-cycle and instruction reduction, drawn as a line on the plot
 
 
 def stack_label(row: dict[str, Any]) -> str:
@@ -49,24 +41,6 @@ def workload_title(row: dict[str, Any]) -> str:
     size = "x".join(str(s) for s in row["image_size"])
     sampler = f", {row['sampler']} {row['steps']} steps" if row.get("sampler") else ""
     return f"{row['scenario']} {size}, batch {row['batch_size']}{sampler}"
-
-
-MIN_TENSOR_PCT = 0.1  # tensor-pipe use (%) under which a baseline gives no ratio
-
-
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
-def compare(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
-    """The study's four quantities (and kernel time) of ``row`` against the strict-FP32 ``base``."""
-    a, b = row["counters"]["overall"], base["counters"]["overall"]
-    ipc = _ratio(a["ipc"], b["ipc"])
-    return {"time": _ratio(b["duration_ns"], a["duration_ns"]), "sm_cycles": _ratio(b["sm_cycles"], a["sm_cycles"]),
-            "inst": _ratio(b["inst_executed"], a["inst_executed"]),
-            "tensor": _ratio(a["tensor_pipe_pct"], b["tensor_pipe_pct"]) if (b["tensor_pipe_pct"] or 0) >= MIN_TENSOR_PCT
-            else None, "tensor_pct": a["tensor_pipe_pct"],
-            "ipc": None if ipc is None else ipc - 1}
 
 
 def _x(v: float | None) -> str:

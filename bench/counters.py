@@ -51,13 +51,13 @@ from bench.core import kernels, ncu
 from bench.core.records import append_row, job_key, read_rows
 from bench.core.runner import job_spec
 from bench.core.scenarios import prepared_step
-from bench.core.timing import synchronize
 from bench.core.worker import base_row
 from bench.counter_claims import ROWS_FILE
 from bench.profile import profile_label, slug
 from bench.sweep import sweep_dir_of
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.run_clock import synchronize
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 

@@ -41,7 +41,8 @@ from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, job_key, re
 from bench.core.runner import job_spec
 from bench.core.timing import active_precision, flush, peak_memory_gib, time_fn, time_once
 from med_ddpm import cli, distributed
-from med_ddpm.train import Job, build, check_options, train_step
+from med_ddpm.train import build, check_options, train_step
+from med_ddpm.train_state import Job
 from med_ddpm.utils import env_info
 
 SCENARIO = "ddp_train_step"

@@ -4,7 +4,7 @@ The step benchmarks (``bench.sweep``, ``bench.ladder``) time one warmed-up step.
 and library imports, CUDA initialisation, loading data or a checkpoint, compilation and cuDNN autotuning,
 writing NIfTI files, waiting for data. Each job here runs ``python -m med_ddpm.sample`` or
 ``python -m med_ddpm.train`` in a fresh process, as a user would, reads the ``timings.json`` the command
-writes (:mod:`med_ddpm.timings`) and appends one row to ``<out>/results.jsonl``.
+writes (:mod:`med_ddpm.run_clock`) and appends one row to ``<out>/results.jsonl``.
 
 Example (the jobs of ``configs/ladder/preset/e2e.yaml``; ``only=REGEX`` picks some):
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
@@ -57,13 +57,13 @@ from typing import Any
 
 from hydra import compose
 
-from bench.core.process_group import spawn
 from bench.core.records import RESULTS_FILE, append_row, code_label, read_rows
+from bench.core.subprocesses import spawn
 from bench.core.worker import OOM_PATTERN
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.data.phantoms import write_phantom_niftis
-from med_ddpm.timings import TIMINGS_FILE
+from med_ddpm.run_clock import TIMINGS_FILE
 from med_ddpm.utils import atomic_write_text, env_info
 
 E2E_MD = "e2e.md"

@@ -40,8 +40,8 @@ from omegaconf import DictConfig
 
 from bench import evidence
 from bench.core import presets
-from bench.core.process_group import stopped_together
 from bench.core.runner import Job, picked, run_ladder
+from bench.core.subprocesses import stopped_together
 from bench.e2e import run as run_commands
 from bench.quality.training import run as train_and_gate
 from bench.quality.training import visible_gpus

@@ -49,10 +49,10 @@ from bench.core import kernels, ncu
 from bench.core.records import UNKNOWN, code_label, provenance, recipe_label, run_id
 from bench.core.runner import job_spec
 from bench.core.scenarios import batch_size, model_calls, prepared_step
-from bench.core.timing import synchronize
 from bench.sweep import sweep_dir_of
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.run_clock import synchronize
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 SLUG_MAX = 160  # file names: 255 bytes at most, and atomic_write adds a dot, a random part and .json.tmp

@@ -29,9 +29,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bench.core.records import provenance
-from bench.sweep import CONFIG_DIR
 from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import CheckpointError, ConfigError, check_int
 from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
 from med_ddpm.data.phantoms import SyntheticPhantoms

@@ -3,6 +3,11 @@
 Example:
     python -m bench.report dir=results/bench/2026-01-01_12-00-00
     python -m bench.report dir=results/h200 wandb=true     # also a W&B Table + the PNGs
+    python -m bench.report publish=true                    # the evidence pages: docs/results/*.md, README table
+    python -m bench.report dir=bench/results/h200 publish=true   # docs/results/h200.md alone
+
+``publish=true`` renders the evidence pages of :mod:`bench.reporting` (one run per GPU folder) instead of the
+report below.
 
 A results file may hold many runs (a sweep directory reused, a ladder resumed, rows from
 several machines). Every row carries the ``run_id`` of the launch that wrote it and its commit
@@ -57,6 +62,9 @@ from bench.core.records import (
 )
 from bench.e2e import write_page as write_e2e_page
 from bench.quality.training_report import write_training_report
+from bench.reporting.evidence import env_summary
+from bench.reporting.pages import from_config as publish_from_config
+from bench.reporting.verdicts import gate_notes
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.utils import atomic_write_text, save_figure
@@ -74,14 +82,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def quality_label(row: dict[str, Any]) -> str:
-    """The ``quality`` cell: ``not gated``, else the gate's verdict with its N, and ``random weights`` when it had
-    no checkpoint (``bench.checkpoint``): a pass on a seeded random net at N=8 is not a trained model's at N=32."""
+    """The ``quality`` cell: ``not gated``, else the gate's verdict with its notes (:func:`gate_notes`)."""
     gate = row.get("quality")
     if not gate:
         return "not gated"
-    notes = [f"N={gate['n_samples']}"] if gate.get("n_samples") else []
-    if not ((row.get("config") or {}).get("bench") or {}).get("checkpoint"):
-        notes.append("random weights")
+    notes = gate_notes(row)
     return f"{gate.get('verdict')} ({', '.join(notes)})" if notes else str(gate.get("verdict"))
 
 
@@ -176,15 +181,6 @@ def to_csv(table: list[dict[str, Any]]) -> str:
     writer.writeheader()
     writer.writerows(table)
     return buf.getvalue()
-
-
-def env_summary(rows: list[dict[str, Any]]) -> str:
-    """The environment of the rows; a key whose value differs between rows lists every value
-    (a results file merged from several runs must not claim one git commit for all)."""
-    envs = [r["env"] for r in rows if r.get("env")]
-    keys = ("gpu", "compute_capability", "driver", "cuda", "cudnn", "torch", "monai", "git_sha", "hostname")
-    values = {k: list(dict.fromkeys(str(e[k]) for e in envs if e.get(k) is not None)) for k in keys}
-    return ", ".join(f"{k} {' / '.join(v)}" for k, v in values.items() if v) or "unknown environment"
 
 
 SHOWN = ("recipes", "status", "ms_median", "ms_p10", "ms_p90", "iqr_pct", "speedup", "peak_mem_gib",
@@ -475,6 +471,9 @@ def results_folder(cfg: DictConfig) -> Path:
 @hydra.main(config_path="../configs", config_name="report", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
+    if cfg.publish:
+        print("\n".join(publish_from_config(cfg)))
+        return
     print(write_report(results_folder(cfg), cfg.metric, cfg.wandb))
 
 

@@ -43,7 +43,6 @@ from med_ddpm.utils import resolve_device
 from optim import RecipeStack
 
 log = logging.getLogger(__name__)
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def quality_objective(row: dict[str, Any], metric: str) -> float:

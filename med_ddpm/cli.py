@@ -69,6 +69,7 @@ OS_FIXES = {
 }
 
 
+NOT_A_FOLDER = "a file, not a folder; pass a folder (a new or an existing one), or remove the file"
 UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'\. To append to your config use \+")
 
 
@@ -91,6 +92,8 @@ def os_error_line(err: OSError, where: str = "output") -> str | None:
 
     ``where`` names the thing when the error has no file name (a full disk fails a write, not an open).
     """
+    if isinstance(err, FileExistsError) and err.filename is not None and Path(err.filename).is_file():
+        return f"{err.filename}: {NOT_A_FOLDER}"  # Hydra creating the run's output_dir where a file is
     fix = OS_FIXES.get(err.errno) if err.errno is not None else None
     if fix is None and isinstance(err, FileNotFoundError | PermissionError):
         fix = "check the path"  # raised by our own code with a message and no errno
@@ -214,7 +217,10 @@ def output_dir(cfg: DictConfig) -> Path:
     """
     if OmegaConf.is_missing(cfg, "output_dir"):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
-    return Path(cfg.output_dir)
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output_dir={out}: {NOT_A_FOLDER}")
+    return out
 
 
 def refuse_earlier_results(out_dir: Path, marker: str, what: str) -> None:

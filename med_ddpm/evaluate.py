@@ -9,8 +9,6 @@ Example:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,7 +16,7 @@ from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError, check_choice, check_int
 from med_ddpm.quality.evaluate import evaluate, summary_markdown
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 
 
 def check_options(cfg: DictConfig) -> None:

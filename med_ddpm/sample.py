@@ -49,15 +49,15 @@ from med_ddpm.data.datasets import load_condition, read_volume
 from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import save_montage_png, save_volume_like
+from med_ddpm.run_clock import RunClock
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.samplers.tuned import use_tuned
-from med_ddpm.timings import RunClock
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 PHANTOM_MASKS = 2  # masks=null: masks of this many synthetic phantoms
 
 
@@ -312,7 +312,7 @@ def run(cfg: DictConfig) -> list[Path]:
     """Load the checkpoint, then sample ``num_samples`` volumes for each of this rank's masks; returns its files.
 
     Writing overlaps the next volume's sampling (:class:`BackgroundWriter`); where the time went is
-    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.timings`).
+    written to ``<output_dir>/timings.json`` (:mod:`med_ddpm.run_clock`).
     """
     clock = RunClock("sample")
     clock.mark("run_start")

@@ -46,7 +46,7 @@ from med_ddpm.utils import atomic_write_text, json_safe, resolve_device, seed_ev
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.step_search")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 
 
 def check_options(cfg: DictConfig) -> list[int]:

@@ -1,9 +1,12 @@
 """Train Med-DDPM: ``python -m med_ddpm.train [experiment=whole_head] [data.root=...] ['recipe=[amp_bf16]']``.
 
-Reads top to bottom: :func:`build` turns the Hydra config into objects, :func:`fit` is
-the loop, and every recipe hook (session, prepare_model, prepare_input, forward_context,
-grad_scaler, non-finite guard) is visible in it. Defaults reproduce Med-DDPM's trainer:
-Adam 1e-5, batch 1, gradient accumulation 2, EMA 0.995 every 10 steps from step 2000, L1.
+Reads top to bottom: :func:`main` checks the options and calls :func:`build`, which turns the Hydra config
+into objects; :func:`fit` is the loop and :func:`train_step` the one optimizer step (bench times it, tests call
+it), with every recipe hook (session, prepare_model, prepare_input, forward_context, grad_scaler, non-finite
+guard) visible in them; the helpers they call follow. Policy lives in modules named for it: the GPU memory cap
+and its allocator setting in :mod:`med_ddpm.memory_cap`, the run's state and its exact save and restore in
+:mod:`med_ddpm.train_state`. Defaults reproduce Med-DDPM's trainer: Adam 1e-5, batch 1, gradient
+accumulation 2, EMA 0.995 every 10 steps from step 2000, L1.
 
 Resumable: ``resume=auto`` continues from ``<output_dir>/checkpoints/last.pt``. The data
 order and the t/noise draws are functions of the global sample position and the RNG states
@@ -22,10 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
 from med_ddpm import cli, distributed
-from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report, train_workload
 from med_ddpm.config_checks import (
-    CheckpointError,
     ConfigError,
     OutputError,
     as_config_error,
@@ -52,267 +51,88 @@ from med_ddpm.config_checks import (
 from med_ddpm.data.datasets import build_dataset
 from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
+from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_under_cap
 from med_ddpm.model import UNet3D, build_model
+from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
-from med_ddpm.timings import LoopTimer, RunClock, TimedIterator
-from med_ddpm.tracking import Tracker, build_tracker
+from med_ddpm.tracking import build_tracker
+from med_ddpm.train_state import Job, TrainState, restore_state, resume_path, save_state
 from med_ddpm.utils import append_line, seed_everything
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.train")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 LOSS_LOG = "loss.jsonl"  # <output_dir>/loss.jsonl: every logged step's metrics, whatever the logger
 
 
-class EpochSampler(Sampler[int]):
-    """Endless, seeded shuffling that can start at any global sample position, sharded over ranks.
-
-    Global position p is sample ``perm_e[p % n]`` of epoch e = p // n, with perm_e drawn from
-    seed + e, so resuming at p replays exactly the order an uninterrupted run would see. Rank r
-    of W takes positions start + r, start + r + W, ...: the W ranks' k-th batches of b together
-    are global positions [start + k·W·b, start + (k+1)·W·b), one big batch split round-robin.
-    """
-
-    def __init__(self, n: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1):
-        self.n, self.seed, self.start, self.rank, self.world_size = n, seed, start, rank, world_size
-
-    def __iter__(self) -> Iterator[int]:
-        p, epoch, perm = self.start + self.rank, None, []
-        while True:
-            e, offset = divmod(p, self.n)
-            if e != epoch:
-                epoch, perm = e, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + e)).tolist()
-            yield perm[offset]
-            p += self.world_size
-
-
-@dataclass(kw_only=True)
-class TrainState:
-    """What one optimizer step (:func:`train_step`) reads and updates.
-
-    ``cfg`` needs ``seed``, ``diffusion.loss_type`` and the ``train`` keys ``batch_size``,
-    ``grad_accum``, ``divide_loss_by_batch_size``, ``ema_every`` and ``ema_start``. :class:`Job`
-    adds the data, logging and output folder of a run; ``bench.core.scenarios`` times this state alone.
-    """
-
-    cfg: DictConfig
-    device: torch.device
-    net: UNet3D  # the parameter holder (checkpoints, EMA); `model` may wrap it (recipes, DDP)
-    model: torch.nn.Module
-    ema: AveragedModel | None  # rank 0 only
-    schedule: NoiseSchedule
-    stack: RecipeStack
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    step: int = 0
-
-
-@dataclass(kw_only=True)
-class Job(TrainState):
-    """Everything :func:`fit` needs, built once from the config."""
-
-    dataset: Dataset
-    tracker: Tracker
-    out_dir: Path
-    clock: RunClock  # start-up marks (timings.json), from the process's start
-
-
-def read_loss_log(run: Path) -> tuple[list[int], list[float]]:
-    """(steps, losses) of a run's ``loss.jsonl``; a step logged twice (a resumed run) keeps its last line."""
-    path = Path(run) / LOSS_LOG
-    by_step = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a killed writer's last line
-            continue
-        by_step[int(record["step"])] = float(record["loss"])
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
-
-
-def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
-    """Image + mask channels of the data must be what the network takes and predicts."""
-    v = dataset.variant
-    if (v.image_channels, v.image_channels + v.cond_channels) != (model_cfg.out_channels, model_cfg.in_channels):
-        raise ConfigError(
-            f"data variant {v.name!r} has {v.image_channels} image + {v.cond_channels} mask channels but the model "
-            f"takes in_channels={model_cfg.in_channels}, out_channels={model_cfg.out_channels}; "
-            "pick a matching model= / data.variant="
-        )
-
-
-def build(cfg: DictConfig) -> Job:
-    """Instantiate data, network, EMA, schedule, recipes, optimizer and tracker from ``cfg``.
-
-    Under torchrun this joins the process group first and takes this rank's GPU.
-    """
-    clock = RunClock("train")
-    clock.mark("run_start")
-    device = distributed.init_from_env(cfg.device)
-    seed_everything(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    dataset = build_dataset(cfg.data, cfg.model.image_size)
-    check_compatible(dataset, cfg.model)
-    clock.mark("data_ready")  # validated, and cached in memory under data.cache=auto|memory
-    stack = RecipeStack.from_config(cfg.get("recipe"))
-    stack.require(device)
-    stack.require_training(cfg.train.grad_accum)
-    with as_config_error("model", "see configs/model/ for valid settings", errors=(ValueError, TypeError)):
-        net = build_model(cfg.model)  # the U-Net checks its own options (e.g. num_heads divides the channels)
-    net = net.to(device)
-    rank0 = distributed.is_main()
-    ema = new_ema(net, cfg.train.ema_decay) if rank0 else None
-    seed_everything(cfg.seed + distributed.rank())  # per-rank dropout masks
-    schedule = NoiseSchedule.from_config(cfg.diffusion).to(device)
-    out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    clock.mark("model_built")  # recipes built, network and EMA on the device
-    return Job(
-        cfg=cfg,
-        device=device,
-        dataset=dataset,
-        net=net,
-        model=net,  # fit() applies stack.prepare_model inside the recipe session
-        ema=ema,
-        schedule=schedule,
-        stack=stack,
-        optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr, **stack.optimizer_options()),
-        scaler=stack.grad_scaler(device.type),
-        tracker=build_tracker(cfg.get("logger") if rank0 else None, config=resolved),
-        out_dir=out_dir,
-        clock=clock,
-    )
-
-
-def checkpoint_path(job: Job) -> Path | None:
-    """The checkpoint ``resume`` points at: ``auto`` = last.pt if present, else a path."""
-    resume = job.cfg.get("resume")
-    if not resume:
-        return None
-    path = job.out_dir / "checkpoints" / "last.pt" if resume == "auto" else Path(resume)
-    if resume == "auto" and not path.exists():
-        log.info("resume=auto: no %s yet, starting from step 0", path)
-        return None
-    return path
-
-
-def rng_state(job: Job) -> dict[str, torch.Tensor | None]:
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
-
-
-def save(job: Job) -> None:
-    """last.pt every save (atomic), plus step_<N>.pt at the save_every cadence.
-
-    Called on every rank (each contributes its RNG state); rank 0 writes, the rest wait.
-    """
-    rng = distributed.all_gather_object(rng_state(job))  # one entry per rank
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+@cli.entry
+def main(cfg: DictConfig) -> float:
+    """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
+    check_output_dir(cli.output_dir(cfg), cfg.resume)
+    check_options(cfg)
+    expandable_segments_under_cap(cfg.train.get("memory_cap_gib"))
+    with as_config_error("options", "check the option it names (python -m med_ddpm.train --cfg job lists them)"):
+        job = build(cfg)  # the data, model and recipe constructors check their own options
+    summary = fit(job)
     if distributed.is_main():
-        write_checkpoints(job, rng)
-    distributed.barrier()
+        log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
+                 summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
+    distributed.cleanup()
+    return summary["loss"]
 
 
-def write_checkpoints(job: Job, rng: list[dict]) -> None:
-    state = dict(
-        model_state=job.net.state_dict(),
-        ema_state=job.ema.module.state_dict(),
-        config=OmegaConf.to_container(job.cfg, resolve=True),
-        step=job.step,
-        optimizer=job.optimizer.state_dict(),
-        scaler=job.scaler.state_dict(),
-        ema_n_averaged=job.ema.n_averaged.clone(),
-        rng=rng,
-        world_size=len(rng),
-        skipped_steps=job.stack.guard.skipped,
-    )
-    ckpt_dir = job.out_dir / "checkpoints"
-    save_checkpoint(ckpt_dir / "last.pt", **state)
-    if job.cfg.train.save_every and job.step % job.cfg.train.save_every == 0:
-        save_checkpoint(ckpt_dir / f"step_{job.step:07d}.pt", **state)
+def fit(job: Job) -> dict[str, Any]:
+    """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints.
 
-
-RESUME_KEYS = ("model", "ema", "optimizer", "scaler", "ema_n_averaged", "rng", "step")
-
-
-def restore(job: Job, path: Path) -> None:
-    """Load weights, EMA, optimizer, scaler, step and RNG states for an exact continuation."""
-    ckpt = read_checkpoint(path, option="resume", fix="pass resume=auto, or a checkpoint written by med_ddpm.train")
-    missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
-    if missing or "model" not in (ckpt.get("config") or {}):
-        raise CheckpointError(f"{path}: not a training checkpoint of this project (missing {missing or ['config.model']}); "
-                              "resume needs one written by med_ddpm.train")
-    if ckpt["config"]["model"] != OmegaConf.to_container(job.cfg.model, resolve=True):
-        raise CheckpointError(f"{path}: model config differs from this run's (model={ckpt['config']['model']})")
-    load_into(job.net, ckpt["model"], f"{path} [model]")
-    if job.ema is not None:
-        load_into(job.ema.module, ckpt["ema"], f"{path} [ema]")
-        job.ema.n_averaged.copy_(ckpt["ema_n_averaged"])
-    job.optimizer.load_state_dict(ckpt["optimizer"])
-    job.scaler.load_state_dict(ckpt["scaler"])
-    job.stack.guard.skipped = ckpt.get("skipped_steps", 0)
-    job.step = int(ckpt["step"])
-    restore_rng(job, ckpt["rng"])
-    log.info("resumed from %s at step %d", path, job.step)
-
-
-def restore_rng(job: Job, rng: list[dict]) -> None:
-    """Each rank's own RNG state; with another world size, re-seed (only dropout draws from it)."""
-    if len(rng) != distributed.world_size():
-        log.info("resuming %d ranks from a %d-rank checkpoint: per-rank RNG re-seeded (data order and t/noise "
-                 "stay exact)", distributed.world_size(), len(rng))
-        seed_everything(distributed.derived_seed(job.cfg.seed, distributed.rank(), job.step))
-        return
-    mine = rng[distributed.rank()]
-    torch.set_rng_state(mine["torch"])
-    if mine["cuda"] is not None:
-        torch.cuda.set_rng_state(mine["cuda"], job.device)
-
-
-def new_ema(net: UNet3D, decay: float) -> AveragedModel:
-    """EMA θ' ← decay·θ' + (1 − decay)·θ. Its initial copy counts as one average (``n_averaged = 1``),
-    so the first update averages, as Med-DDPM's ``update_model_average`` does, instead of copying."""
-    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
-    ema.n_averaged.fill_(1)
-    return ema
-
-
-def update_ema(job: TrainState) -> None:
-    """Med-DDPM's ``step_ema`` after the optimizer step of step ``job.step`` (before it is counted):
-    every ``ema_every`` steps, a plain copy of the weights before ``ema_start``, an average from then on
-    (rank 0 only)."""
-    if job.ema is None or job.step % job.cfg.train.ema_every:
-        return
-    if job.step < job.cfg.train.ema_start:
-        job.ema.module.load_state_dict(job.net.state_dict())
-    else:
-        job.ema.update_parameters(job.net)
-
-
-@torch.no_grad()
-def sample_preview(job: Job, cond: torch.Tensor) -> Path:
-    """Sample one volume with the EMA weights for the first training mask; write a PNG montage."""
-    sampler = sampler_from_config(job.cfg.sampler, job.schedule)
-    x0 = sample(job.ema.module, sampler, cond[:1], progress=False, forward_context=job.stack.forward_context)
-    path = job.out_dir / "samples" / f"step_{job.step:07d}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_montage_png(x0[0].cpu(), cond[0].cpu(), path, title=f"EMA sample, step {job.step}")
-    return path
-
-
-def draw_t_noise(job: TrainState, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """t ~ U{0, T−1} and ε ~ N(0, I) of each sample, from a generator keyed by its global position.
-
-    This rank's j-th sample of a micro-batch starting at global position ``first`` sits at
-    first + rank + W·j (:class:`EpochSampler`). Keying by position makes a sample's draws
-    independent of the rank and micro-batch it lands in, whatever the world size.
+    Rank 0 writes where the time went to ``<output_dir>/timings.json``: start-up, the first step
+    (compilation), the steady state per volume and the share of it spent waiting for data; and every
+    logged step's metrics to ``<output_dir>/loss.jsonl``, one whole JSON line each (the tracker's, without
+    one). A resumed run appends: a step logged twice, the later line counts.
     """
-    world, rank = distributed.world_size(), distributed.rank()
-    ts, noises = [], []
-    for j in range(x.shape[0]):
-        gen = distributed.keyed_generator(job.device, job.cfg.seed, first + rank + world * j)
-        ts.append(torch.randint(0, job.schedule.num_train_timesteps, (1,), device=job.device, generator=gen))
-        noises.append(torch.randn(x.shape[1:], device=job.device, generator=gen, dtype=torch.float32))
-    return torch.cat(ts), torch.stack(noises)
+    cfg = job.cfg.train
+    rank0 = distributed.is_main()
+    cap_memory(job.device, cfg.get("memory_cap_gib"))
+    with job.stack.session():
+        cache = compile_cache(job)
+        if cache is not None:
+            cache.load()
+        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
+        if (path := resume_path(job)) is not None:
+            restore_state(job, path)
+        batches = batch_stream(job)
+        if job.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(job.device)
+        bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
+        timer = LoopTimer(job.clock, job.device, batches, cfg.batch_size * cfg.grad_accum)
+        t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
+        while job.step < cfg.max_steps:
+            loss = train_step(job, batches)
+            bar.update(1)
+            if timer.step_done(last=job.step == cfg.max_steps) and cache is not None and rank0:
+                cache.save()
+            if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
+                value = loss.item()  # the loop's one wait for the GPU between logs
+                bar.set_postfix(loss=f"{value:.4f}")
+                logged = metrics(job, value, t0, start_step)
+                job.tracker.log(logged, step=job.step)
+                append_line(job.out_dir / LOSS_LOG, json.dumps(logged))
+            if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
+                png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
+                job.tracker.log_image("sample", png, step=job.step)
+            if (cfg.save_every and job.step % cfg.save_every == 0) or job.step == cfg.max_steps:
+                save_state(job)
+        bar.close()
+        summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
+    if rank0:
+        reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
+        check_cap_held(cfg.get("memory_cap_gib"), reserved)
+        timer.write(job.out_dir, compile_cache=cache_status(cache), precompiled=precompiled_report(job.net),
+                    recipes=job.stack.names,
+                    peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
+                    memory_cap_gib=cfg.get("memory_cap_gib"))
+    job.tracker.finish()
+    return summary
 
 
 def train_step(job: TrainState, batches: Iterator[dict]) -> torch.Tensor:
@@ -359,47 +179,93 @@ def train_step(job: TrainState, batches: Iterator[dict]) -> torch.Tensor:
     return torch.stack(losses).sum() / cfg.grad_accum if trained else torch.tensor(float("nan"))
 
 
-def cap_memory(device: torch.device, gib: float | None) -> None:
-    """``train.memory_cap_gib``: this process may allocate at most that much GPU memory, as on a smaller card
-    (``torch.cuda.set_per_process_memory_fraction``), so a run that passes here fits there. The cap covers
-    PyTorch's allocator (tensors, cached blocks, cuDNN and cuBLAS workspaces), not the CUDA context itself."""
-    if gib is None:
+def draw_t_noise(job: TrainState, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """t ~ U{0, T−1} and ε ~ N(0, I) of each sample, from a generator keyed by its global position.
+
+    This rank's j-th sample of a micro-batch starting at global position ``first`` sits at
+    first + rank + W·j (:class:`EpochSampler`). Keying by position makes a sample's draws
+    independent of the rank and micro-batch it lands in, whatever the world size.
+    """
+    world, rank = distributed.world_size(), distributed.rank()
+    ts, noises = [], []
+    for j in range(x.shape[0]):
+        gen = distributed.keyed_generator(job.device, job.cfg.seed, first + rank + world * j)
+        ts.append(torch.randint(0, job.schedule.num_train_timesteps, (1,), device=job.device, generator=gen))
+        noises.append(torch.randn(x.shape[1:], device=job.device, generator=gen, dtype=torch.float32))
+    return torch.cat(ts), torch.stack(noises)
+
+
+def update_ema(job: TrainState) -> None:
+    """Med-DDPM's ``step_ema`` after the optimizer step of step ``job.step`` (before it is counted):
+    every ``ema_every`` steps, a plain copy of the weights before ``ema_start``, an average from then on
+    (rank 0 only)."""
+    if job.ema is None or job.step % job.cfg.train.ema_every:
         return
-    if device.type != "cuda":
-        log.info("train.memory_cap_gib=%s ignored: the run is on %s", gib, device)
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    if not 0 < gib * 2**30 <= total:
-        raise ConfigError(f"train.memory_cap_gib={gib}: must be in (0, {total / 2**30:.1f}], this GPU's memory in GiB; "
-                          "pass a smaller train.memory_cap_gib=")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
+    if job.step < job.cfg.train.ema_start:
+        job.ema.module.load_state_dict(job.net.state_dict())
+    else:
+        job.ema.update_parameters(job.net)
 
 
-def check_cap_held(gib: float | None, peak_reserved_gib: float | None) -> bool:
-    """Whether the allocator stayed within ``train.memory_cap_gib``; warns when it did not, since then a run that
-    finished here would not be shown to fit a card of that size (timings.json keeps both figures)."""
-    if gib is None or peak_reserved_gib is None or peak_reserved_gib <= gib:
-        return True
-    log.warning("train.memory_cap_gib=%s: the allocator held up to %.2f GiB, above the cap; this run does not show "
-                "that training fits a %s GiB card", gib, peak_reserved_gib, gib)
-    return False
+def build(cfg: DictConfig) -> Job:
+    """Instantiate data, network, EMA, schedule, recipes, optimizer and tracker from ``cfg``.
+
+    Under torchrun this joins the process group first and takes this rank's GPU.
+    """
+    clock = RunClock("train")
+    clock.mark("run_start")
+    device = distributed.init_from_env(cfg.device)
+    seed_everything(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    dataset = build_dataset(cfg.data, cfg.model.image_size)
+    check_compatible(dataset, cfg.model)
+    clock.mark("data_ready")  # validated, and cached in memory under data.cache=auto|memory
+    stack = RecipeStack.from_config(cfg.get("recipe"))
+    stack.require(device)
+    stack.require_training(cfg.train.grad_accum)
+    with as_config_error("model", "see configs/model/ for valid settings", errors=(ValueError, TypeError)):
+        net = build_model(cfg.model)  # the U-Net checks its own options (e.g. num_heads divides the channels)
+    net = net.to(device)
+    rank0 = distributed.is_main()
+    ema = new_ema(net, cfg.train.ema_decay) if rank0 else None
+    seed_everything(cfg.seed + distributed.rank())  # per-rank dropout masks
+    schedule = NoiseSchedule.from_config(cfg.diffusion).to(device)
+    out_dir = Path(distributed.broadcast_object(str(cfg.output_dir)))  # Hydra's timestamped dir may differ per rank
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    clock.mark("model_built")  # recipes built, network and EMA on the device
+    return Job(
+        cfg=cfg,
+        device=device,
+        dataset=dataset,
+        net=net,
+        model=net,  # fit() applies stack.prepare_model inside the recipe session
+        ema=ema,
+        schedule=schedule,
+        stack=stack,
+        optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr, **stack.optimizer_options()),
+        scaler=stack.grad_scaler(device.type),
+        tracker=build_tracker(cfg.get("logger") if rank0 else None, config=resolved),
+        out_dir=out_dir,
+        clock=clock,
+    )
 
 
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
+    """Image + mask channels of the data must be what the network takes and predicts."""
+    v = dataset.variant
+    if (v.image_channels, v.image_channels + v.cond_channels) != (model_cfg.out_channels, model_cfg.in_channels):
+        raise ConfigError(
+            f"data variant {v.name!r} has {v.image_channels} image + {v.cond_channels} mask channels but the model "
+            f"takes in_channels={model_cfg.in_channels}, out_channels={model_cfg.out_channels}; "
+            "pick a matching model= / data.variant="
+        )
 
 
-def expandable_segments_under_cap(gib: float | None) -> None:
-    """Under ``train.memory_cap_gib`` fragmentation decides whether a run fits: the cap counts blocks the allocator
-    keeps cached, and a cached block cannot serve a larger request. Expandable segments grow one mapping per stream,
-    so freed memory serves any size. Set before CUDA starts (the allocator reads it then), and never over the user's
-    own allocator settings (docs/end-to-end.md, "BraTS on a 16 GB card")."""
-    if gib is None or any(var in os.environ for var in ALLOC_CONF_VARS):
-        return
-    if torch.cuda.is_initialized():
-        log.warning("train.memory_cap_gib=%s: CUDA already started, allocator settings left as they are", gib)
-        return
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+def new_ema(net: UNet3D, decay: float) -> AveragedModel:
+    """EMA θ' ← decay·θ' + (1 − decay)·θ. Its initial copy counts as one average (``n_averaged = 1``),
+    so the first update averages, as Med-DDPM's ``update_model_average`` does, instead of copying."""
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    ema.n_averaged.fill_(1)
+    return ema
 
 
 def batch_stream(job: Job) -> TimedIterator:
@@ -417,6 +283,28 @@ def batch_stream(job: Job) -> TimedIterator:
     return TimedIterator(iter(loader))
 
 
+class EpochSampler(Sampler[int]):
+    """Endless, seeded shuffling that can start at any global sample position, sharded over ranks.
+
+    Global position p is sample ``perm_e[p % n]`` of epoch e = p // n, with perm_e drawn from
+    seed + e, so resuming at p replays exactly the order an uninterrupted run would see. Rank r
+    of W takes positions start + r, start + r + W, ...: the W ranks' k-th batches of b together
+    are global positions [start + k·W·b, start + (k+1)·W·b), one big batch split round-robin.
+    """
+
+    def __init__(self, n: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1):
+        self.n, self.seed, self.start, self.rank, self.world_size = n, seed, start, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        p, epoch, perm = self.start + self.rank, None, []
+        while True:
+            e, offset = divmod(p, self.n)
+            if e != epoch:
+                epoch, perm = e, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + e)).tolist()
+            yield perm[offset]
+            p += self.world_size
+
+
 def compile_cache(job: Job) -> CompileCache | None:
     """The project's compile cache for this run's stack and workload (None without a compile recipe)."""
     workload = train_workload(OmegaConf.to_container(job.cfg.model, resolve=True), job.cfg.train.batch_size,
@@ -424,57 +312,15 @@ def compile_cache(job: Job) -> CompileCache | None:
     return CompileCache.for_run(job.cfg.get("paths", {}).get("compile_cache"), "train", job.stack, job.device, workload)
 
 
-def fit(job: Job) -> dict[str, Any]:
-    """The training loop: resume, then steps with EMA, logging, previews and atomic checkpoints.
-
-    Rank 0 writes where the time went to ``<output_dir>/timings.json``: start-up, the first step
-    (compilation), the steady state per volume and the share of it spent waiting for data; and every
-    logged step's metrics to ``<output_dir>/loss.jsonl``, one whole JSON line each (the tracker's, without
-    one). A resumed run appends: a step logged twice, the later line counts.
-    """
-    cfg = job.cfg.train
-    rank0 = distributed.is_main()
-    cap_memory(job.device, cfg.get("memory_cap_gib"))
-    with job.stack.session():
-        cache = compile_cache(job)
-        if cache is not None:
-            cache.load()
-        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
-        if (path := checkpoint_path(job)) is not None:
-            restore(job, path)
-        batches = batch_stream(job)
-        if job.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(job.device)
-        bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
-        timer = LoopTimer(job.clock, job.device, batches, cfg.batch_size * cfg.grad_accum)
-        t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
-        while job.step < cfg.max_steps:
-            loss = train_step(job, batches)
-            bar.update(1)
-            if timer.step_done(last=job.step == cfg.max_steps) and cache is not None and rank0:
-                cache.save()
-            if rank0 and (job.step % job.cfg.logger.get("log_every", 10) == 0 or job.step == cfg.max_steps):
-                value = loss.item()  # the loop's one wait for the GPU between logs
-                bar.set_postfix(loss=f"{value:.4f}")
-                logged = metrics(job, value, t0, start_step)
-                job.tracker.log(logged, step=job.step)
-                append_line(job.out_dir / LOSS_LOG, json.dumps(logged))
-            if rank0 and cfg.sample_every and job.step % cfg.sample_every == 0:
-                png = sample_preview(job, job.dataset[0]["cond"][None].to(job.device))
-                job.tracker.log_image("sample", png, step=job.step)
-            if (cfg.save_every and job.step % cfg.save_every == 0) or job.step == cfg.max_steps:
-                save(job)
-        bar.close()
-        summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
-    if rank0:
-        reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
-        check_cap_held(cfg.get("memory_cap_gib"), reserved)
-        timer.write(job.out_dir, compile_cache=cache_status(cache), precompiled=precompiled_report(job.net),
-                    recipes=job.stack.names,
-                    peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
-                    memory_cap_gib=cfg.get("memory_cap_gib"))
-    job.tracker.finish()
-    return summary
+@torch.no_grad()
+def sample_preview(job: Job, cond: torch.Tensor) -> Path:
+    """Sample one volume with the EMA weights for the first training mask; write a PNG montage."""
+    sampler = sampler_from_config(job.cfg.sampler, job.schedule)
+    x0 = sample(job.ema.module, sampler, cond[:1], progress=False, forward_context=job.stack.forward_context)
+    path = job.out_dir / "samples" / f"step_{job.step:07d}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_montage_png(x0[0].cpu(), cond[0].cpu(), path, title=f"EMA sample, step {job.step}")
+    return path
 
 
 def metrics(job: Job, loss: float, t0: float, start_step: int) -> dict[str, Any]:
@@ -485,6 +331,20 @@ def metrics(job: Job, loss: float, t0: float, start_step: int) -> dict[str, Any]
     if job.device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(job.device) / 2**30
     return out
+
+
+def read_loss_log(run: Path) -> tuple[list[int], list[float]]:
+    """(steps, losses) of a run's ``loss.jsonl``; a step logged twice (a resumed run) keeps its last line."""
+    path = Path(run) / LOSS_LOG
+    by_step = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a killed writer's last line
+            continue
+        by_step[int(record["step"])] = float(record["loss"])
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
 
 
 def check_options(cfg: DictConfig) -> None:
@@ -509,23 +369,6 @@ def check_output_dir(out_dir: Path, resume: str | None) -> None:
     if not resume and (out_dir / "checkpoints" / "last.pt").exists():
         raise OutputError(f"output_dir={out_dir}: already holds a training run (checkpoints/last.pt); pass "
                           "resume=auto to continue it, or choose another output_dir=")
-
-
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
-@cli.entry
-def main(cfg: DictConfig) -> float:
-    """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""
-    check_output_dir(cli.output_dir(cfg), cfg.resume)
-    check_options(cfg)
-    expandable_segments_under_cap(cfg.train.get("memory_cap_gib"))
-    with as_config_error("options", "check the option it names (python -m med_ddpm.train --cfg job lists them)"):
-        job = build(cfg)  # the data, model and recipe constructors check their own options
-    summary = fit(job)
-    if distributed.is_main():
-        log.info("done: step %d loss %.5f, %.2f it/s; checkpoints in %s", summary["step"], summary["loss"],
-                 summary["it_per_s"], Path(cfg.output_dir) / "checkpoints")
-    distributed.cleanup()
-    return summary["loss"]
 
 
 if __name__ == "__main__":

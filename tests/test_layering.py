@@ -41,9 +41,10 @@ def test_no_upward_imports(package):
     assert not {k: v for k, v in bad.items() if v}, f"{package} must not import {FORBIDDEN[package]}: {bad}"
 
 
-@pytest.mark.parametrize("library", ["core", "quality"])
+@pytest.mark.parametrize("library", ["core", "quality", "reporting"])
 def test_bench_library_imports_no_bench_command(library):
-    """bench/core and bench/quality are what the commands (bench/*.py) are built from, never the other way."""
+    """bench/core, bench/quality and bench/reporting are what the commands (bench/*.py) are built from, never the
+    other way."""
     commands = {f"bench.{p.stem}" for p in (REPO / "bench").glob("*.py") if p.stem != "__init__"}
     files = sorted((REPO / "bench" / library).rglob("*.py"))
     assert files

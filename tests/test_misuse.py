@@ -331,6 +331,15 @@ def test_cli_prints_one_line_and_exits_2(module, args, pattern, tmp_path):
     assert not (cwd / "outputs").exists()  # nothing of the run lands in the working directory
 
 
+def test_output_dir_naming_a_file_is_one_line_before_anything_runs(tmp_path):
+    """Hydra makes the run's folder before the command starts: a file in its place is named, exit 2."""
+    (tmp_path / "taken").write_text("a file")
+    proc = run_cli("med_ddpm.evaluate", "real=.", "generated=.", f"output_dir={tmp_path / 'taken'}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {tmp_path / 'taken'}: a file, not a folder; pass a folder (a new or an existing one), or remove the file")
+    assert (tmp_path / "taken").read_text() == "a file"
+
+
 @pytest.mark.slow
 def test_hydra_full_error_keeps_the_traceback(tmp_path):
     proc = run_cli("med_ddpm.train", "sampler=ddim", "sampler.steps=0", f"output_dir={tmp_path}", cwd=tmp_path,

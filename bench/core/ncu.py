@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.core import process_group
+from bench.core import subprocesses
 
 DEFAULT_NCU = "/usr/local/cuda/bin/ncu"
 REPLAY_MODES = ("kernel", "application")  # ncu --replay-mode values profile_command accepts
@@ -69,10 +69,10 @@ def find_ncu(configured: str | None = None) -> str | None:
 
 def run(cmd: Sequence[str], timeout_s: float, log_path: Path | None = None) -> Run:
     """Run ``cmd`` in its own process group (ncu and the program it launched are killed together on
-    timeout, or when bench is stopped: :mod:`bench.core.process_group`), stdout and stderr together, optionally
+    timeout, or when bench is stopped: :mod:`bench.core.subprocesses`), stdout and stderr together, optionally
     saved to ``log_path``."""
     start = time.perf_counter()
-    code, out = process_group.run(cmd, timeout_s, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    code, out = subprocesses.run(cmd, timeout_s, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   errors="replace")
     if log_path is not None:
         log_path.write_text(out, encoding="utf-8")

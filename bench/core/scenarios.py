@@ -52,7 +52,8 @@ from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.quality.probe import randomize_zero_init
 from med_ddpm.samplers import sample, sampler_from_config
-from med_ddpm.train import TrainState, new_ema, train_step
+from med_ddpm.train import new_ema, train_step
+from med_ddpm.train_state import TrainState
 from med_ddpm.utils import seed_everything
 from optim import RecipeConflictError, RecipeStack
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from med_ddpm.run_clock import synchronize
 from optim.flags import effective_flags
 
 IQR_WARN_PCT = 10.0
@@ -105,12 +106,6 @@ def _clock_times(fn: Callable[[], object], iters: int, clock: Callable[[], float
         sync()
         out.append((clock() - t0) * 1e3)
     return out
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on ``device`` (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_fn(

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from bench.core.process_group import STDERR_TAIL
 from bench.core.records import MEASURED_FIELDS, provenance
 from bench.core.scenarios import (
     NonFiniteOutput,
@@ -48,9 +47,10 @@ from bench.core.scenarios import (
     sampler_calls,
     time_workload,
 )
+from bench.core.subprocesses import STDERR_TAIL
 from bench.core.timing import flush
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.quality.probe import gate_from_config
-from med_ddpm.sample import CONFIG_DIR
 from med_ddpm.samplers import sampler_options
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 

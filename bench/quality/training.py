@@ -67,14 +67,14 @@ from typing import Any
 from hydra import compose
 
 from bench.core import presets
-from bench.core.process_group import spawn
 from bench.core.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
 from bench.core.runner import Job, experiment_stack, run_ladder
+from bench.core.subprocesses import spawn
 from bench.quality.training_report import NOISE, REFERENCE, RESEED, VERDICT_FILE, arm_label
 from med_ddpm.checkpoint import read_checkpoint
 from med_ddpm.cli import CONFIG_DIR, configs
 from med_ddpm.config_checks import ConfigError
-from med_ddpm.timings import TIMINGS_FILE
+from med_ddpm.run_clock import TIMINGS_FILE
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, save_figure
 

@@ -11,7 +11,7 @@ from bench.core.records import job_key, recipe_label
 from bench.core.runner import compose_job
 from bench.core.worker import base_row
 from bench.quality.controls import EpsNoise, EpsScale, SkipGroupNorm
-from bench.sweep import CONFIG_DIR
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.model import UNet3D
 from med_ddpm.quality.probe import gate_from_config, randomize_zero_init

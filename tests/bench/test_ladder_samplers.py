@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from bench.core.runner import compose_job
 from bench.core.worker import base_row
 from bench.ladder import ladder_jobs
-from bench.sweep import CONFIG_DIR
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.samplers import sampler_from_config

@@ -164,7 +164,7 @@ def test_commands_started_inside_a_run_keep_its_id(tmp_path):
     assert read_rows(tmp_path / "counters.jsonl")[0]["run_id"] == "call-1"  # its launch's new_run() kept it
 
     def launch(env: dict[str, str]) -> str:
-        code = "from bench import records; records.new_run(); print(records.new_run())"
+        code = "from bench.core import records; records.new_run(); print(records.new_run())"
         return subprocess.run([sys.executable, "-c", code], cwd=records.ROOT, env=env, check=True,
                               capture_output=True, text=True).stdout.strip()
 

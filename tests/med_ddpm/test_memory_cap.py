@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from med_ddpm.config_checks import ConfigError
-from med_ddpm.train import ALLOC_CONF_VARS, cap_memory, check_cap_held, expandable_segments_under_cap
+from med_ddpm.memory_cap import ALLOC_CONF_VARS, cap_memory, check_cap_held, expandable_segments_under_cap
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
 from med_ddpm.quality.probe import randomize_zero_init
-from med_ddpm.train import TrainState
 from med_ddpm.train import train_step as med_ddpm_train_step
+from med_ddpm.train_state import TrainState
 from optim import RecipeStack
 
 REPO = Path(__file__).resolve().parents[2]

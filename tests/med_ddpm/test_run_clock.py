@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from med_ddpm.timings import LoopTimer, RunClock, TimedIterator, compile_phases, process_start_time
+from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator, compile_phases, process_start_time
 
 
 def slow_batches(wait_s: float):

@@ -1,4 +1,4 @@
-"""bench.core.process_group: a command bench started in its own session dies when bench is stopped (SIGTERM from an
+"""bench.core.subprocesses: a command bench started in its own session dies when bench is stopped (SIGTERM from an
 outer timeout, Ctrl-C), also when a worker thread started it, as quality_training's arms are."""
 
 import signal
@@ -15,7 +15,7 @@ PARENT = """
 import sys, threading
 from pathlib import Path
 from bench.e2e import spawn
-from bench.core.process_group import stopped_together
+from bench.core.subprocesses import stopped_together
 tmp = Path(sys.argv[1])
 child = "import os, time; open({!r}, 'w').write(str(os.getpid())); time.sleep(120)".format(str(tmp / "child.pid"))
 with stopped_together():

@@ -1,0 +1,414 @@
+"""The evidence pages, each from one run of one GPU folder, and ``python -m bench.report publish=true`` writing them.
+
+* ``docs/results/<gpu>.md`` (:func:`gpu_page`): every job of the run with its time, spread, calls timed, time per
+  volume, speed-ups over strict FP32 and over torch's default numerics (the original Med-DDPM's), peak memory and
+  quality verdict (:mod:`bench.reporting.verdicts`); the real commands' figures from process start beside the shipped
+  stacks' step times; BraTS; the counters against the study's claims.
+* the README's results table (:func:`readme_table`): one line per workload, its three stacks' times with their
+  verdicts, the shipped stack's two speed-ups and the real commands.
+* ``docs/results/gpus.md`` (:func:`gpus_page`): the GPUs side by side, and above them one sentence per workload
+  generated from the same numbers: which GPU runs each stack faster and by how much, and how the shipped stack's
+  speed-up differs. A ratio within :data:`SAME` of 1 is said to be the same, since repeated runs of one job differ
+  by a few percent.
+
+Every figure is read from a row of the run the page names (:class:`bench.reporting.evidence.Run`), every speed-up
+divides two times of that run, and each table names its run and commit. A job without an ``ok`` row shows its
+status (an ``unsupported`` row its reason) and no ratio. :func:`publish` chooses each folder's run and renders every
+page before the first is written, so a refusal leaves every page as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from bench.core.records import RESULTS_FILE
+from bench.reporting.evidence import (
+    BASELINES,
+    BRATS,
+    COUNTER_COLUMNS,
+    COUNTERS,
+    COUNTERS_BASE,
+    E2E,
+    STACKS,
+    STUDY,
+    WORKLOADS,
+    Run,
+    choose_run,
+    counter_cells,
+    env_summary,
+    fmt_ms,
+    fmt_x,
+    runs_note,
+    sig,
+    study_line,
+)
+from bench.reporting.verdicts import NOT_GATED, QUALITY_DIR, Gates, Verdict
+from med_ddpm.config_checks import ConfigError, DataError
+from med_ddpm.utils import atomic_write_text
+
+README_COLUMNS = ("workload", *STACKS, *(f"vs {b}" for b in BASELINES), "real command")
+SHIPPED = ("`shipped` is `experiment=fast_sample` for the forward and the samples, `experiment=fast_train` for the "
+           "train step")
+READING = ("Times are medians per call over the row's timed calls; each speed-up divides two times of the same run, "
+           "against `strict_fp32` (`recipe=[]`, TF32 off) and against `torch_defaults` (torch's out-of-the-box "
+           f"numerics, the original Med-DDPM's). {SHIPPED}.")
+
+
+def link(target: Path, page_dir: Path, text: str | None = None) -> str:
+    """A markdown link from a page in ``page_dir`` to ``target``."""
+    return f"[{text or target.name}]({Path(os.path.relpath(target, page_dir)).as_posix()})"
+
+
+def verdict(run: Run, gates: Gates, job: str) -> Verdict:
+    """The verdict beside ``job``'s time: its own gate's; a forward with none takes the verdict of its stack on
+    ``fast_sample``'s sampler in the same run (the gate's ε probes run that stack's forward), and says so."""
+    found = gates.verdict(run.row(job))
+    workload, stack = job.split(".", 1)
+    if found == NOT_GATED and workload == "forward":
+        sample = gates.verdict(run.row(f"fast_sampler.{stack}"))
+        if sample != NOT_GATED:
+            return replace(sample, detail=", ".join(d for d in (f"as `fast_sampler.{stack}`", sample.detail) if d))
+    return found
+
+
+def time_cell(run: Run, gates: Gates, job: str) -> str:
+    """A README cell: ``job``'s time (``once`` when a single call was timed), its time per volume when a call has
+    several, and its verdict's word; its status when it has no ``ok`` row."""
+    row = run.ok(job)
+    if row is None:
+        return run.status(job)
+    parts = [fmt_ms(run.ms(job)) + (" once" if row.get("iters") == 1 else "") + run.variant(job)]
+    if int(row.get("batch_size") or 1) > 1:
+        parts.append(f"{fmt_ms(run.ms_per_volume(job))} a volume")
+    return ", ".join([*parts, verdict(run, gates, job).word])
+
+
+def e2e_cell(run: Run, job: str) -> str:
+    """An end-to-end figure (``ms_per_volume`` with ``a volume``), or the job's status."""
+    ms = run.e2e_ms(job)
+    if ms is None:
+        return run.status(job)
+    return f"{fmt_ms(ms)} a volume" if E2E[job][0] == "ms_per_volume" else fmt_ms(ms)
+
+
+def readme_table(run: Run, gates: Gates, readme_dir: Path, page: Path) -> str:
+    """The README's results block: one line naming the GPU, run, commit and rows, then one line per workload."""
+    batch = (run.ok("train_step.shipped") or {}).get("batch_size")
+    lines = [f"{run.device}, {run.caption()} ({link(run.folder / RESULTS_FILE, readme_dir, 'rows')}, "
+             f"{link(page, readme_dir, 'every table')}): medians"
+             + (f", the train step at a batch of {batch}" if batch else "")
+             + "; `shipped` is `experiment=fast_sample` (`fast_train` to train); its speed-ups are within this run.",
+             "", "| " + " | ".join(README_COLUMNS) + " |", "|" + " --- |" * len(README_COLUMNS)]
+    for workload in WORKLOADS:
+        shipped = f"{workload}.shipped"
+        real = [f"`{job}` {e2e_cell(run, job)}" for job, (_, _, step) in E2E.items() if step == shipped]
+        cells = [f"`{workload}`", *(time_cell(run, gates, f"{workload}.{s}") for s in STACKS),
+                 *(fmt_x(run.speedup(shipped, b)) for b in BASELINES), "; ".join(real)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def step_table(run: Run, gates: Gates, page_dir: Path) -> list[str]:
+    """Every step job of the contract: time, spread, calls timed, per volume, both speed-ups, memory, verdict."""
+    lines = [f"{run.caption()}.", "", "| job | time | p10 – p90 | calls timed | a volume | vs strict_fp32 | "
+             "vs torch_defaults | peak GiB | quality |", "|" + " --- |" * 9]
+    for workload, what in WORKLOADS.items():
+        for stack in STACKS:
+            job = f"{workload}.{stack}"
+            row = run.ok(job)
+            name = f"`{job}` ({what}{', batch ' + str(row['batch_size']) if row else ''}){run.variant(job)}"
+            if row is None:
+                lines.append(f"| {name} | {run.status_note(job)} |" + " |" * 7)
+                continue
+            spread = f"{fmt_ms(row.get('ms_p10'))} – {fmt_ms(row.get('ms_p90'))}" if row.get("ms_p10") else ""
+            mem = sig(row["peak_mem_gib"], 3) if row.get("peak_mem_gib") is not None else ""
+            lines.append(f"| {name} | {fmt_ms(run.ms(job))} | {spread} | {row.get('iters') or ''} | "
+                         f"{fmt_ms(run.ms_per_volume(job))} | {fmt_x(run.speedup(job, BASELINES[0]))} | "
+                         f"{fmt_x(run.speedup(job, BASELINES[1]))} | {mem} | {verdict(run, gates, job).text(page_dir)} |")
+    return lines + [""]
+
+
+def e2e_table(run: Run) -> list[str]:
+    """The real commands' figures, each beside the step benchmark of the same stack in the same run."""
+    lines = [f"{run.caption()}.", "", "| job | what | figure | the step benchmark beside it |", "|" + " --- |" * 4]
+    for job, (_, what, step) in E2E.items():
+        beside = run.ms_per_volume(step)
+        shown = f"`{step}` {fmt_ms(beside)} a volume" if beside else ""
+        figure = e2e_cell(run, job) if run.ok(job) else run.status_note(job)
+        lines.append(f"| `{job}` | {what} | {figure} | {shown} |")
+    return lines + [""]
+
+
+def brats_table(run: Run) -> list[str]:
+    row = run.ok(BRATS)
+    lines = [f"{run.caption()}.", "", "| job | recipes | a volume | peak GiB |", "| --- | --- | --- | --- |"]
+    if row is None:
+        return lines + [f"| `{BRATS}` | {run.status_note(BRATS)} | | |", ""]
+    mem = sig(row["peak_mem_gib"], 3) if row.get("peak_mem_gib") is not None else ""
+    return lines + [f"| `{BRATS}` | {'+'.join(row.get('recipes') or [])} | {fmt_ms(run.ms_per_volume(BRATS))} | "
+                    f"{mem} |", ""]
+
+
+def counters_table(run: Run) -> list[str]:
+    """The counters factors of each stack against the run's strict FP32, under the study's A100 claims."""
+    base = run.ok(COUNTERS_BASE)
+    lines = [f"{run.caption()}.", "", "| stack | " + " | ".join(COUNTER_COLUMNS) + " |", "|" + " --- |" * 6,
+             study_line()]
+    for job in (COUNTERS_BASE, *COUNTERS):
+        if run.ok(job) is None or base is None:
+            lines.append(f"| `{job}` | {run.status_note(job) if run.ok(job) is None else 'no strict-FP32 row'} |"
+                         + " |" * 4)
+        else:
+            lines.append(f"| `{job}` | " + " | ".join(counter_cells(base, run.ok(job))) + " |")
+    return lines + [""]
+
+
+def gate_files(run: Run, page_dir: Path) -> str:
+    """Where the page's verdicts come from: the folder's gate files, or that it has none."""
+    quality = run.folder / QUALITY_DIR
+    if not quality.is_dir():
+        return f"Quality verdicts: this folder has no gate files (no `{QUALITY_DIR}/`)"
+    return f"Quality verdicts are read from the gate's files in {link(quality, page_dir, QUALITY_DIR + '/')}"
+
+
+def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
+    """The whole page of one GPU folder's run."""
+    named = set(run.jobs) - {f"{w}.{s}" for w in WORKLOADS for s in STACKS} - set(E2E) - {BRATS, COUNTERS_BASE,
+                                                                                             *COUNTERS}
+    lines = [f"# Results: {run.device} ({run.folder.as_posix()})", "",
+             f"Generated by `python -m bench.report publish=true` from the rows of "
+             f"{link(run.folder / RESULTS_FILE, page_dir, 'results.jsonl')}; nothing here is typed. "
+             f"The tables use {runs_note(run)}. Environment: {env_summary(list(run.jobs.values()))}.", "",
+             f"{READING} {gate_files(run, page_dir)} (`not gated`: no gate ran that stack on this GPU; `reference`: "
+             "strict FP32, what the gate compares against).", ""]
+    if run.skipped:
+        lines += [f"{len(run.skipped)} unreadable line(s) of results.jsonl skipped: "
+                  + ", ".join(f"`{s}`" for s in run.skipped), ""]
+    lines += ["## Step benchmarks", "", *step_table(run, gates, page_dir),
+              "## The real commands, from process start", "", *e2e_table(run),
+              "## BraTS, the memory stack", "", *brats_table(run),
+              "## Hardware counters against the study's claims", "",
+              "Nsight Compute on the 128³ sampler step, library kernels; factors against `counters.strict_fp32`.", "",
+              *counters_table(run)]
+    if named:
+        lines += [f"The run also holds rows of jobs outside these tables: {', '.join(sorted(named))}.", ""]
+    return "\n".join(lines)
+
+
+SAME = 0.05  # ratios within 5 % of 1 read as "the same"
+
+
+def captions(runs: Sequence[Run]) -> str:
+    """Which run each GPU's columns come from: ``H100: run `X` at commit `c`; H200: ...``."""
+    return "; ".join(f"{r.gpu}: {r.caption()}" for r in runs) + "."
+
+
+def header(first: str, per_gpu: Sequence[str], runs: Sequence[Run]) -> list[str]:
+    cells = [first, *(f"{r.gpu} {c}".rstrip() for r in runs for c in per_gpu)]
+    return ["| " + " | ".join(cells) + " |", "|" + " --- |" * len(cells)]
+
+
+def stack_cells(run: Run, gates: Gates, job: str) -> list[str]:
+    """One GPU's time, speed-ups over both baselines and verdict word for ``job``; its status when it has no time."""
+    ms = run.ms(job)
+    if ms is None:
+        return [run.status_note(job), "", "", ""]
+    once = " once" if (run.ok(job) or {}).get("iters") == 1 else ""
+    return [fmt_ms(ms) + once + run.variant(job), *(fmt_x(run.speedup(job, b)) for b in BASELINES), verdict(run, gates, job).word]
+
+
+def differs(values: dict[str, float]) -> tuple[str, str, float] | None:
+    """(GPU of the largest value, GPU of the smallest, their ratio) over the GPUs that have one; None for fewer
+    than two."""
+    if len(values) < 2:
+        return None
+    high, low = max(values, key=values.get), min(values, key=values.get)
+    return high, low, values[high] / values[low]
+
+
+def speed_clause(stack: str, times: dict[str, float]) -> str | None:
+    """How one stack's time differs between the GPUs: ``shipped` runs 1.08× as fast on the H200 as on the H100``."""
+    spread = differs(times)
+    if spread is None:
+        return None
+    slow, fast, ratio = spread
+    figures = ", ".join(f"{fmt_ms(t)} on the {g}" for g, t in times.items())
+    if ratio < 1 + SAME:
+        return f"`{stack}` takes the same time within 5 % ({figures})"
+    return f"`{stack}` runs {sig(ratio, 3)}× as fast on the {fast} as on the {slow} ({figures})"
+
+
+def gain_clause(baseline: str, gains: dict[str, float]) -> str | None:
+    """How the shipped stack's speed-up over ``baseline`` differs between the GPUs."""
+    spread = differs(gains)
+    if spread is None:
+        return None
+    figures = ", ".join(f"{fmt_x(x)} on the {g}" for g, x in gains.items())
+    high, low, ratio = spread
+    if ratio < 1 + SAME:
+        return f"the shipped stack's speed-up over `{baseline}` is the same within 5 % ({figures})"
+    return f"the shipped stack gains more over `{baseline}` on the {high} than on the {low} ({figures})"
+
+
+def workload_sentence(workload: str, runs: Sequence[Run]) -> str:
+    """One sentence on where the GPUs differ in ``workload``, from the rows' numbers only."""
+    measured = [r.gpu for r in runs if any(r.ms(f"{workload}.{s}") for s in STACKS)]
+    if len(measured) < 2:
+        return f"`{workload}`: measured on {' and '.join(f'the {g}' for g in measured) or 'no GPU'} only."
+    clauses = [speed_clause(s, {r.gpu: r.ms(f"{workload}.{s}") for r in runs if r.ms(f"{workload}.{s}")})
+               for s in STACKS]
+    clauses += [gain_clause(b, {r.gpu: x for r in runs if (x := r.speedup(f"{workload}.shipped", b))})
+                for b in BASELINES]
+    return f"`{workload}`: " + "; ".join(c for c in clauses if c) + "."
+
+
+def counters_sentence(runs: Sequence[Run]) -> str:
+    """The TF32 + channels-last factors of each GPU against the study's A100 claims, in one sentence."""
+    job = COUNTERS[0]
+    cells = {r.gpu: counter_cells(r.ok(COUNTERS_BASE), r.ok(job)) for r in runs}
+    cells = {g: c for g, c in cells.items() if c[1]}
+    if not cells:
+        return f"Counters: no GPU has `{job}` against `{COUNTERS_BASE}`."
+    per = "; ".join(f"the {g}: {c[1]} fewer SM cycles, {c[2]} fewer instructions, IPC {c[4]}" for g, c in cells.items())
+    return (f"Counters, `{job}` against strict FP32 on the 128³ sampler step: {per}; the study reports "
+            f"{STUDY['sm_cycles']} fewer SM cycles, {STUDY['inst']} fewer instructions and IPC {STUDY['ipc']} on the "
+            "A100.")
+
+
+def workload_table(workload: str, runs: Sequence[Run], gates: dict[str, Gates]) -> list[str]:
+    lines = [f"## `{workload}`: {WORKLOADS[workload]}", "", captions(runs), "",
+             *header("stack", ("time", "vs strict_fp32", "vs torch_defaults", "quality"), runs)]
+    for stack in STACKS:
+        job = f"{workload}.{stack}"
+        cells = [f"`{stack}`", *(c for r in runs for c in stack_cells(r, gates[r.gpu], job))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def e2e_side_by_side(runs: Sequence[Run]) -> list[str]:
+    lines = ["## The real commands, from process start", "", captions(runs), "",
+             *header("job", ("", "step beside it, a volume"), runs)]
+    for job, (_, what, step) in E2E.items():
+        cells = [f"`{job}` ({what})"]
+        for r in runs:
+            cells += [e2e_cell(r, job) if r.ok(job) else r.status_note(job),
+                      f"`{step}` {fmt_ms(r.ms_per_volume(step))}" if r.ms(step) else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def brats_side_by_side(runs: Sequence[Run]) -> list[str]:
+    lines = ["## BraTS, the memory stack", "", captions(runs), "", f"| GPU | `{BRATS}`, a volume | peak GiB |",
+             "| --- | --- | --- |"]
+    for r in runs:
+        row = r.ok(BRATS)
+        mem = sig(row["peak_mem_gib"], 3) if row and row.get("peak_mem_gib") is not None else ""
+        lines.append(f"| {r.gpu} | {fmt_ms(r.ms_per_volume(BRATS)) if row else r.status_note(BRATS)} | {mem} |")
+    return lines + [""]
+
+
+def counters_side_by_side(runs: Sequence[Run]) -> list[str]:
+    lines = ["## Hardware counters against the study's A100 claims", "", captions(runs), "",
+             "Nsight Compute on the 128³ sampler step, library kernels; factors against each GPU's own "
+             f"`{COUNTERS_BASE}`.", "", "| GPU · stack | " + " | ".join(COUNTER_COLUMNS) + " |", "|" + " --- |" * 6,
+             study_line()]
+    for r in runs:
+        for job in COUNTERS:
+            base, row = r.ok(COUNTERS_BASE), r.ok(job)
+            cells = counter_cells(base, row) if base and row else [r.status_note(job if base else COUNTERS_BASE)]
+            lines.append(f"| {r.gpu} · `{job}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def gpus_page(runs: Sequence[Run], gates: dict[str, Gates], page_dir: Path) -> str:
+    """The whole side-by-side page; ``gates`` by GPU label (:attr:`Run.gpu`)."""
+    sources = "; ".join(f"{r.gpu} ({r.device}): {r.caption()}, {link(r.folder / RESULTS_FILE, page_dir, 'rows')}, "
+                        f"{link(page_dir / (r.folder.name + '.md'), page_dir, 'its page')}" for r in runs)
+    lines = ["# Results per GPU", "",
+             "Generated by `python -m bench.report publish=true`, one run per GPU folder; nothing here is typed. "
+             f"{sources}.", "",
+             f"{READING} Quality verdicts are each GPU's own gate files (`not gated`: none ran that stack there); the pages "
+             "per GPU say which file each comes from.", "",
+             "## Where the generations differ", "",
+             *(f"- {workload_sentence(w, runs)}" for w in WORKLOADS), f"- {counters_sentence(runs)}", ""]
+    for workload in WORKLOADS:
+        lines += workload_table(workload, runs, gates)
+    return "\n".join(lines + e2e_side_by_side(runs) + brats_side_by_side(runs) + counters_side_by_side(runs))
+
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+GPUS_PAGE = "gpus.md"
+
+
+def replace_block(text: str, block: str, path: Path) -> str:
+    """``text`` with what stands between its two markers replaced by ``block``; refused without both, in order."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise DataError(f"{path}: needs one {BEGIN} line, then one {END} line, around its results table; put "
+                        "them where the table goes")
+    head, rest = text.split(BEGIN)
+    return f"{head}{BEGIN}\n{block}{END}{rest.split(END)[1]}"
+
+
+def choose_runs(folders: Sequence[Path], wanted: Sequence[str]) -> list[Run]:
+    """One run per folder (:func:`choose_run`); a ``run=`` id that no folder holds is refused."""
+    runs = [choose_run(folder, wanted) for folder in folders]
+    unknown = sorted(set(wanted) - {r.run_id for r in runs})
+    if unknown:
+        raise ConfigError(f"run={','.join(unknown)}: no evidence run of that id in {', '.join(map(str, folders))}; "
+                          "pass a run id of their results.jsonl (a row's run_id), or leave run= out for each "
+                          "folder's newest complete run")
+    return runs
+
+
+def render(folders: Sequence[Path], docs: Path, readme: Path | None, readme_gpu: str | None,
+           wanted: Sequence[str]) -> tuple[list[Run], dict[Path, str]]:
+    """The runs and every page's text by path: each folder's page, and with ``readme`` gpus.md and the README."""
+    runs = choose_runs(folders, wanted)
+    gates = {r.gpu: Gates.read(r.folder) for r in runs}
+    pages = {docs / f"{r.folder.name}.md": gpu_page(r, gates[r.gpu], docs) for r in runs}
+    if readme is None:
+        return runs, pages
+    pages[docs / GPUS_PAGE] = gpus_page(runs, gates, docs)
+    shown = next((r for r in runs if r.folder.name == readme_gpu), None)
+    if shown is None:
+        raise ConfigError(f"readme_gpu={readme_gpu}: not a folder of gpus ({', '.join(f.name for f in folders)}); "
+                          "pass the name of the folder whose run the README shows")
+    if not readme.is_file():
+        raise DataError(f"{readme}: not found; pass readme=<the page holding the {BEGIN} markers>")
+    table = readme_table(shown, gates[shown.gpu], readme.parent, docs / f"{shown.folder.name}.md")
+    pages[readme] = replace_block(readme.read_text(encoding="utf-8"), table, readme)
+    return runs, pages
+
+
+def publish(folders: Sequence[Path], docs: Path, readme: Path | None = None, readme_gpu: str | None = None,
+            wanted: Sequence[str] = ()) -> list[str]:
+    """Render every page, then write them; returns the lines to print: each folder's run, each page written."""
+    runs, pages = render(folders, docs, readme, readme_gpu, wanted)
+    for path, text in pages.items():
+        atomic_write_text(path, text if text.endswith("\n") else text + "\n")
+    return [f"{r.folder}: {runs_note(r)}" for r in runs] + [f"wrote {path}" for path in pages]
+
+
+def run_ids(value: object) -> list[str]:
+    """``run=`` as a list: one id (``run=ID``), a list (``run=[ID1,ID2]``) or none (``run=[]``, ``run=null``)."""
+    if value is None:
+        return []
+    if isinstance(value, ListConfig | list | tuple):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def from_config(cfg: DictConfig) -> list[str]:
+    """``publish=true``: ``dir=FOLDER`` writes that folder's page; without ``dir``, every folder of ``gpus``, gpus.md
+    and the README's table."""
+    if not cfg.gpus:
+        raise ConfigError("gpus: is empty; pass gpus=[bench/results/h100,...], the GPU folders to publish")
+    one = not OmegaConf.is_missing(cfg, "dir") and cfg.dir is not None
+    folders = [Path(cfg.dir)] if one else [Path(f) for f in cfg.gpus]
+    readme = None if one else Path(cfg.readme)
+    return publish(folders, Path(cfg.docs), readme, str(cfg.readme_gpu), run_ids(cfg.run))

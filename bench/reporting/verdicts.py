@@ -1,0 +1,142 @@
+"""The quality verdict beside each speed figure, read from the gate's files committed in the same GPU folder.
+
+``bench/results/<gpu>/quality/`` holds the gate's rows (every ``results.jsonl`` under it, from ``bench.ladder
+preset=quality`` or ``preset=samplers``: a gated row carries ``quality.verdict``) and training verdicts
+(``training_verdict.json`` beside the ``training.json`` of ``preset=quality_training``). A verdict judges a recipe
+stack's numerics, measured on the quality model rather than on the timed network, so a timed row takes the verdict
+of a gate that ran the same stack:
+
+* a sample: a gated sample with the same recipes, recipe options (but :data:`SAME_NUMERICS`), sampler and model
+  calls;
+* a denoiser forward: a gated ``denoise_step`` with its recipes and options (:func:`bench.reporting.pages.verdict`
+  falls back to the same stack's sample on ``fast_sample``'s sampler, and says so);
+* a train step: a training verdict whose trained arm ran its recipes and options;
+* strict FP32 on a step or on DDPM-250 is what the gate compares against: ``reference``.
+
+A gate between two checkpoints (``quality.candidate_checkpoint``) judges weights, not a stack, and is left out. Of
+several matching gates the last run's counts. No match: ``not gated``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.core.records import RESULTS_FILE, candidate_checkpoint, read_rows
+from bench.quality.training_report import VERDICT_FILE
+
+QUALITY_DIR = "quality"
+TRAINING_FILE = "training.json"  # beside training_verdict.json: each arm's command, so its recipes
+REFERENCE_SAMPLER = ("ddpm", 250)  # the gate's reference sampler: Med-DDPM's own
+# Options that change when a compiled forward is built (ahead of time, kept in a file), not what it computes: a
+# verdict on the stack without them holds for the stack with them.
+SAME_NUMERICS = ("compile.aot", "compile_cudagraphs.aot")
+
+Stack = tuple[tuple[str, ...], frozenset[str]]  # recipes in order, options
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A verdict's word (``pass``, ``warn``, ``fail``, ``reference``, ``not gated``), what it rests on, and the file
+    it was read from."""
+
+    word: str
+    detail: str = ""
+    source: Path | None = None
+
+    def text(self, page_dir: Path) -> str:
+        """The word, its detail and a link to its file relative to a page in ``page_dir``."""
+        notes = [self.detail] if self.detail else []
+        if self.source is not None:
+            notes.append(f"[{self.source.name}]({os.path.relpath(self.source, page_dir)})")
+        return f"{self.word} ({', '.join(notes)})" if notes else self.word
+
+
+REFERENCE = Verdict("reference")  # strict FP32: what the gate compares against
+NOT_GATED = Verdict("not gated")
+
+
+def options(items: Iterable[str] | None) -> frozenset[str]:
+    """Recipe options as ``name.key=value``, without quotes or a ``recipe.`` prefix: a row's
+    ``gather_upsample.forward="gather"`` and a command's ``recipe.gather_upsample.forward=gather`` are one option.
+    Options of :data:`SAME_NUMERICS` are left out."""
+    out = set()
+    for item in items or ():
+        key, _, value = str(item).removeprefix("recipe.").partition("=")
+        if key not in SAME_NUMERICS:
+            out.add(f"{key}={value.strip(chr(34) + chr(39))}")
+    return frozenset(out)
+
+
+def row_stack(row: dict[str, Any]) -> Stack:
+    return tuple(row.get("recipes") or ()), options(row.get("recipe_options"))
+
+
+def arm_stack(argv: Sequence[str]) -> Stack:
+    """The stack of a training arm's command (``recipe=[a,b]`` and its ``recipe.a.key=value`` options)."""
+    listed = next((a.removeprefix("recipe=") for a in argv if a.startswith("recipe=")), "[]")
+    recipes = tuple(r.strip() for r in listed.strip("[]").split(",") if r.strip())
+    return recipes, options(a for a in argv if a.startswith("recipe."))
+
+
+def is_reference(row: dict[str, Any]) -> bool:
+    """Strict FP32 on a step, or on DDPM-250: the gate's own reference."""
+    if row.get("recipes"):
+        return False
+    return row.get("scenario") != "full_sample" or (row.get("sampler"), row.get("steps")) == REFERENCE_SAMPLER
+
+
+def gate_notes(row: dict[str, Any]) -> list[str]:
+    """A gated row's N, and ``random weights`` when the gate had no checkpoint (``bench.checkpoint``): a pass on a
+    seeded random net at N=8 is not a trained model's at N=32."""
+    gate = row.get("quality") or {}
+    notes = [f"N={gate['n_samples']}"] if gate.get("n_samples") else []
+    if not ((row.get("config") or {}).get("bench") or {}).get("checkpoint"):
+        notes.append("random weights")
+    return notes
+
+
+def gate_verdict(row: dict[str, Any], where: Path) -> Verdict:
+    """A gated row's verdict, with its notes (:func:`gate_notes`), its run and the file it is in."""
+    notes = [*gate_notes(row), f"gate run {row.get('run_id')}"]
+    return Verdict(str(row["quality"]["verdict"]), ", ".join(notes), where)
+
+
+class Gates:
+    """The gate's verdicts of one GPU folder, looked up by a timed row's stack."""
+
+    def __init__(self, rows: list[tuple[dict[str, Any], Path]], trained: list[tuple[Stack, Verdict]]):
+        self.rows = sorted(rows, key=lambda rp: str(rp[0].get("run_id") or ""))  # the last run's gate counts
+        self.trained = trained
+
+    @classmethod
+    def read(cls, folder: Path) -> Gates:
+        """Every gated row and training verdict under ``folder/quality`` (none when it has no such folder)."""
+        quality = folder / QUALITY_DIR
+        rows = [(row, path) for path in sorted(quality.rglob(RESULTS_FILE)) for row in read_rows(path)
+                if (row.get("quality") or {}).get("verdict") and row.get("status") == "ok"
+                and not candidate_checkpoint(row)]
+        trained = []
+        for path in sorted(quality.rglob(VERDICT_FILE)):
+            verdict, arms = json.loads(path.read_text()), path.parent / TRAINING_FILE
+            arms = json.loads(arms.read_text())["arms"] if arms.exists() else {}
+            found = Verdict(str(verdict["verdict"]), f"trained: {verdict.get('why', '')}".rstrip(": "), path)
+            trained += [(arm_stack(arm.get("argv") or []), found) for arm in arms.values()]
+        return cls(rows, [(stack, v) for stack, v in trained if stack[0]])
+
+    def verdict(self, row: dict[str, Any] | None) -> Verdict:
+        """The verdict beside ``row``'s time (:mod:`this module <bench.reporting.verdicts>` says which gate)."""
+        if row is None:
+            return NOT_GATED
+        if is_reference(row):
+            return REFERENCE
+        stack = row_stack(row)
+        if row.get("scenario") == "train_step":
+            return next((v for s, v in reversed(self.trained) if s == stack), NOT_GATED)
+        same = [(r, p) for r, p in self.rows if row_stack(r) == stack and r.get("scenario") == row.get("scenario")
+                and (r.get("sampler"), r.get("steps")) == (row.get("sampler"), row.get("steps"))]
+        return gate_verdict(*same[-1]) if same else NOT_GATED

@@ -1,0 +1,150 @@
+"""bench.report publish=true on the synthetic evidence run of two GPUs (tests/bench/fixtures/evidence/): the pages
+per GPU, the GPUs side by side with a sentence per workload, the README table; one run per folder, never mixed;
+one-line refusals for a missing headline row, an unknown or incomplete ``run=`` and a README without markers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose
+
+from bench.reporting.evidence import fmt_ms, fmt_x, sig
+from bench.reporting.pages import from_config, publish
+from med_ddpm import cli
+from med_ddpm.config_checks import ConfigError, DataError
+
+ROOT = Path(__file__).resolve().parents[2]
+H100, H200 = "20260101T000000Z-synth1", "20260102T000000Z-synth2"  # the fixture's run ids
+
+
+def folders(repo: Path) -> list[Path]:
+    return [repo / "bench" / "results" / gpu for gpu in ("h100", "h200")]
+
+
+def publish_all(repo: Path, wanted=()) -> list[str]:
+    return publish(folders(repo), repo / "docs" / "results", repo / "README.md", "h100", wanted)
+
+
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def write_rows(folder: Path, new: list[dict]) -> None:
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in new))
+
+
+def run_report(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "bench.report", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_figures_keep_their_significant_digits():
+    assert [sig(10.04, 3), sig(0.98249, 3), sig(2411.3, 4), sig(0.0, 3)] == ["10.0", "0.982", "2411", "0"]
+    assert [fmt_ms(20.02), fmt_ms(2411.3), fmt_ms(49903.0), fmt_ms(None)] == ["20.02 ms", "2.411 s", "49.90 s", ""]
+    assert fmt_x(197.3 / 18.48) == "10.7×" and fmt_x(None) == ""
+
+
+def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
+    lines = publish_all(evidence_repo)
+    docs = evidence_repo / "docs" / "results"
+    assert lines[:2] == [f"{folders(evidence_repo)[0]}: run `{H100}` at commit `111111111111`, the newest complete run",
+                         f"{folders(evidence_repo)[1]}: run `{H200}` at commit `222222222222`, the newest complete run"]
+    h100, h200, gpus = ((docs / f"{name}.md").read_text() for name in ("h100", "h200", "gpus"))
+    readme = (evidence_repo / "README.md").read_text()
+    assert f"run `{H100}` at commit `111111111111`" in readme and "[every table](docs/results/h100.md)" in readme
+    assert "| `forward` | 200.4 ms, reference | 96.31 ms, not gated | 20.02 ms, not gated | 10.0× | 4.81× |  |" in readme
+    assert "`e2e.sample4_warm` 26.60 s; `e2e.sample4_cold` 63.40 s |" in readme
+    # The fixture's H100 ran the shipped train step as fast_train's fp16 variant (as a GPU without bf16 would).
+    assert "| 112.2 ms (`fast_train_fp16`), 56.10 ms a volume, not gated |" in readme
+    assert "| `train_step.shipped` (train step, batch 2) (`fast_train_fp16`) | 112.2 ms |" in h100
+    # The H200's gate files give its verdicts; the H100 has none, so nothing there is gated.
+    assert "| 18.48 ms | 18.30 ms – 18.85 ms | 20 | 18.48 ms | 10.7× | 4.85× | 2.02 | pass (as `fast_sampler.shipped`, N=32" in h200
+    assert "| 2.500 s | 2.475 s – 2.550 s | 20 | 1.250 s | 1.00× | 0.187× | 4.50 | reference" in h200
+    assert "pass (trained: within training noise, [training_verdict.json](../../bench/results/h200/quality/training/" in h200
+    assert "`ddpm250.shipped` (DDPM, 250 steps, batch 1) | 4.751 s |" in h200 and "| 6.75 | not gated |" in h200
+    assert "pass" not in h100.split("## Step benchmarks")[1] and "this folder has no gate files (no `quality/`)" in h100
+    assert "read from the gate's files in [quality/](../../bench/results/h200/quality)" in h200
+    assert "| `sampler25.strict_fp32` (the searched 25-call sampler) | unsupported: synthetic, no such row on this card |" in h100
+    assert "| `sampler25.torch_defaults` (the searched 25-call sampler) | no row |" in h100
+    # Side by side: a sentence per workload, from the numbers, and the counters under the study's claims.
+    assert ("- `forward`: `strict_fp32` takes the same time within 5 % (200.4 ms on the H100, 197.3 ms on the H200); "
+            "`torch_defaults` runs 1.07× as fast on the H200 as on the H100") in gpus
+    assert "- `sampler25`: `shipped` runs 1.07× as fast on the H200 as on the H100 (512.3 ms on the H100, 477.1 ms" in gpus
+    assert "the H100: 6.70× fewer SM cycles, 26.0× fewer instructions, IPC -72.1%; the H200: 6.70× fewer SM cycles, " \
+           "29.4× fewer instructions" in gpus
+    assert "| study (A100, TF32 + channels-last 3-D) | | up to 100x | 100x | 1.45-9.98x | +7 % |" in gpus
+    assert "| `shipped` | 20.02 ms | 10.0× | 4.81× | not gated | 18.48 ms | 10.7× | 4.85× | pass |" in gpus
+    assert f"H100: run `{H100}` at commit `111111111111`; H200: run `{H200}`" in gpus
+    for page in (*docs.iterdir(), evidence_repo / "README.md"):  # committed, they pass tests/test_docs_links.py
+        for target in re.findall(r"\]\(([^)\s#]+)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_a_missing_headline_row_is_refused_in_one_line_naming_it(evidence_repo):
+    h100 = folders(evidence_repo)[0]
+    write_rows(h100, [r for r in rows(h100) if r["job_name"] not in ("forward.shipped", "ddpm250.torch_defaults")])
+    readme = (evidence_repo / "README.md").read_text()
+    proc = run_report("publish=true", cwd=evidence_repo)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: bench/results/h100/results.jsonl: run {H100} (the newest run) lacks headline rows forward.shipped "
+        "(no row), ddpm250.torch_defaults (no row); finish it: rerun python -m bench.ladder preset=evidence "
+        "out=bench/results/h100"], proc.stderr
+    assert (evidence_repo / "README.md").read_text() == readme and not (evidence_repo / "docs").exists()
+
+
+def test_a_failed_headline_row_is_named_with_its_status(evidence_repo):
+    h200 = folders(evidence_repo)[1]
+    write_rows(h200, [{**r, "status": "oom", "ms_median": None} if r["job_name"] == "train_step.shipped" else r
+                      for r in rows(h200)])
+    with pytest.raises(DataError, match=r"lacks headline rows train_step\.shipped \(oom\); finish it"):
+        publish_all(evidence_repo)
+
+
+def test_a_folder_of_several_runs_shows_one_and_says_which(evidence_repo):
+    h200 = folders(evidence_repo)[1]
+    mine = rows(h200)
+    older = [{**r, "run_id": "20251231T000000Z-older", "ms_median": r.get("ms_median") and r["ms_median"] * 3}
+             for r in mine]
+    newer = [{**r, "run_id": "20260103T000000Z-newer"} for r in mine[:3]]  # cut after three jobs
+    write_rows(h200, older + mine + newer)
+    lines = publish_all(evidence_repo)
+    assert lines[1] == (f"{h200}: run `{H200}` at commit `222222222222`, the newest complete run; not shown: the "
+                        "folder's other runs 20251231T000000Z-older, 20260103T000000Z-newer")
+    page = (evidence_repo / "docs" / "results" / "h200.md").read_text()
+    assert "| 197.3 ms |" in page and fmt_ms(197.3 * 3) not in page  # the older run's forward is on no table
+
+    publish_all(evidence_repo, ["20251231T000000Z-older"])
+    page = (evidence_repo / "docs" / "results" / "h200.md").read_text()
+    assert "run `20251231T000000Z-older` at commit `222222222222`, named by run=" in page and f"| {fmt_ms(197.3 * 3)} |" in page
+    assert f"{fmt_ms(197.3 * 3)} on the H200" in (evidence_repo / "docs" / "results" / "gpus.md").read_text()
+
+    with pytest.raises(DataError, match=r"run 20260103T000000Z-newer \(named by run=\) lacks headline rows "
+                                        r"train_step\.strict_fp32 \(no row\), .*; finish it: .*, or pass run= one of the "
+                                        rf"complete runs 20251231T000000Z-older, {H200}$"):
+        publish_all(evidence_repo, ["20260103T000000Z-newer"])
+    with pytest.raises(ConfigError, match=r"^run=nope: no evidence run of that id in .*h100, .*h200; pass a run id"):
+        publish_all(evidence_repo, ["nope"])
+
+
+def test_a_readme_without_markers_is_refused_and_nothing_is_written(evidence_repo):
+    (evidence_repo / "README.md").write_text("# project\n")
+    with pytest.raises(DataError, match=r"README\.md: needs one <!-- results:begin --> line, then one "):
+        publish_all(evidence_repo)
+    assert not (evidence_repo / "docs").exists()
+
+
+def test_dir_publishes_that_gpu_page_alone(evidence_repo):
+    """``dir=FOLDER publish=true``, composed from configs/report.yaml as the command composes it."""
+    with cli.configs():
+        cfg = compose("report", overrides=[f"dir={evidence_repo}/bench/results/h200", "publish=true",
+                                           f"docs={evidence_repo}/docs/results"])
+    assert from_config(cfg) == [f"{evidence_repo}/bench/results/h200: run `{H200}` at commit `222222222222`, the "
+                                f"newest complete run", f"wrote {evidence_repo}/docs/results/h200.md"]
+    assert sorted(p.name for p in (evidence_repo / "docs" / "results").iterdir()) == ["h200.md"]
