@@ -6,7 +6,7 @@ writing NIfTI files, waiting for data. Each job here runs ``python -m med_ddpm.s
 ``python -m med_ddpm.train`` in a fresh process, as a user would, reads the ``timings.json`` the command
 writes (:mod:`med_ddpm.run_clock`) and appends one row to ``<out>/results.jsonl``.
 
-Example (the jobs of :func:`bench.ladder.e2e_ladder`; ``only=REGEX`` picks some):
+Example (the jobs of ``configs/ladder/preset/e2e.yaml``; ``only=REGEX`` picks some):
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA only=e2e_train
 

@@ -244,12 +244,12 @@ class Runner:
             return
         began = time.monotonic()
         if job.kind == "overrides":
-            self.step(job, chosen, todo)
-        elif job.kind == "e2e":
-            self.command(job, chosen)
+            ran = self.step(job, chosen, todo)
         else:
-            self.counters(job, chosen)
-        print(f"[done] {job.label}: {time.monotonic() - began:.0f} s (estimate {job.estimate_s:g} s)")
+            (self.command if job.kind == "e2e" else self.counters)(job, chosen)
+            ran = [job]
+        estimate = sum(j.estimate_s for j in ran)
+        print(f"[done] {' + '.join(j.label for j in ran)}: {time.monotonic() - began:.0f} s (estimate {estimate:g} s)")
 
     def unsupported(self, job: Job, chosen: Fit) -> dict[str, Any]:
         """The row of a job this GPU cannot make: its identity where the job names one, the reason, the env."""
@@ -261,8 +261,9 @@ class Runner:
             identity = base_row(counters_spec(chosen.overrides, self.out / "counters", None))
         return {**identity, "status": "unsupported", "message": chosen.reason, "env": env_info()}
 
-    def step(self, job: Job, chosen: Fit, todo: list[tuple[Job, Fit]]) -> None:
-        """The job, or with a ``process`` every job of it still to run that the GPU can make, in one worker."""
+    def step(self, job: Job, chosen: Fit, todo: list[tuple[Job, Fit]]) -> list[Job]:
+        """The job, or with a ``process`` every job of it still to run that the GPU can make, in one worker; returns
+        the jobs run."""
         group = [(j, f) for j, f in todo if j is job or (job.process and j.process == job.process and not f.reason
                                                           and not set(j.names) <= self.ran)]
         folder = self.out / "jobs" / (job.process or job.names[0])
@@ -277,6 +278,7 @@ class Runner:
                 continue
             log_row(row)
             self.append(member, row, fitted)
+        return [member for member, _ in group]
 
     def inputs(self) -> dict[str, str]:
         """The e2e commands' data folder, masks and checkpoint: the ``e2e.*`` given, else written once here."""

@@ -11,7 +11,7 @@ Example (Hydra overrides of ``configs/ladder.yaml``):
     python -m bench.ladder preset=core out=results/h200 only=full_sample  # just the jobs a regex names
     python -m bench.ladder preset=core out=results/h200 "only='batch_size=(2|4)'"  # quote a regex with = ( | [
     python -m bench.ladder preset=quality out=results/h200/quality checkpoint=runs/quality_model/checkpoints/last.pt
-    python -m bench.ladder preset=quality_training out=results/h200/quality/training budget_s=560
+    python -m bench.ladder preset=quality_training out=results/h200/quality/training budget_s=450
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
 
 The presets are config files, ``configs/ladder/preset/<name>.yaml`` (:mod:`bench.core.presets`): each an ordered list
@@ -74,9 +74,12 @@ def run_quality_training(cfg: DictConfig) -> int:
     q = cfg.quality_training
     steps = check_int(cfg, "quality_training.steps", 1)
     gpus = check_int(cfg, "quality_training.gpus", 1)
+    seeds = check_int(cfg, "quality_training.seeds", 1)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
-    left = train_and_gate(Path(cfg.out), steps, q.experiment, Path(q.runs), budget_s, list(q.overrides),
-                          visible_gpus(gpus) if gpus > 1 and not cfg.dry_run else (), dry_run=cfg.dry_run)
+    size = [] if q.image_size is None else [f"model.image_size=[{','.join(str(int(n)) for n in q.image_size)}]"]
+    left = train_and_gate(Path(cfg.out), steps, list(q.control), q.experiment, Path(q.runs), budget_s,
+                          [*size, *q.overrides], visible_gpus(gpus) if gpus > 1 and not cfg.dry_run else (),
+                          dry_run=cfg.dry_run, seeds=seeds)
     if not cfg.dry_run:
         write_training_report(Path(cfg.out))
     return left

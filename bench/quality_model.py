@@ -26,15 +26,14 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from bench.core.records import provenance
+from bench.quality.validation import held_out_phantoms, validation_loss
 from med_ddpm import cli
 from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
-from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import CheckpointError, ConfigError, check_int
 from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
-from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.quality.evaluate import distribution_metrics, diversity, save_montage
 from med_ddpm.quality.features import RandomConv3dFeatures
@@ -43,28 +42,6 @@ from med_ddpm.samplers import DDPMSampler, sample
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
 from optim import RecipeStack
-
-# Phantoms of experiment=quality_model come from seed 0; data=held_out_phantoms (med_ddpm.step_search's default
-# data) names the seed of those it never trains on.
-HELD_OUT_SEED = int(OmegaConf.load(CONFIG_DIR / "data" / "held_out_phantoms.yaml").seed)
-
-
-def held_out_phantoms(n: int, image_size: tuple[int, ...], variant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images, conds) of ``n`` phantoms the model never saw."""
-    phantoms = SyntheticPhantoms(n, image_size, variant=variant, seed=HELD_OUT_SEED)
-    items = [phantoms[i] for i in range(n)]
-    return torch.stack([it["image"] for it in items]), torch.stack([it["cond"] for it in items])
-
-
-@torch.no_grad()
-def validation_loss(model, schedule, images: torch.Tensor, conds: torch.Tensor, device: torch.device) -> float:
-    """Mean ε-MSE with t and ε fixed per phantom (one generator, seeded once): comparable across checkpoints."""
-    g = torch.Generator().manual_seed(HELD_OUT_SEED)
-    t = torch.randint(0, schedule.num_train_timesteps, (len(images),), generator=g)
-    eps = torch.randn(images.shape, generator=g)
-    x_t = schedule.add_noise(images.to(device), eps.to(device), t.to(device))
-    pred = model(torch.cat([x_t, conds.to(device)], 1), t.to(device))
-    return float((pred.float() - eps.to(device)).square().mean())
 
 
 def loss_curve(run: Path, images, conds, device) -> list[dict[str, Any]]:

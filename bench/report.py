@@ -426,8 +426,9 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
                    else f" · {candidate['name']}" if candidate.get("name") else "")  # e.g. probes only
         lines += [f"## {row.get('scenario')} · {recipe_label(row)}{sampler}: "
                   f"**{q.get('verdict')}**", "",
-                  f"N = {q.get('n_samples')} ({q.get('n_masks')} masks), paired: {q.get('paired')}, minimum "
-                  f"detectable eps bias {_fmt(q.get('min_detectable_eps_bias'))}; code {code_label(row)}, run "
+                  f"N = {q.get('n_samples')} ({q.get('n_masks')} masks), paired: {q.get('paired')}, smallest "
+                  f"eps bias failed {_fmt(q.get('min_detectable_eps_bias'))}, smallest eps noise failed "
+                  f"{_fmt(q.get('min_detectable_eps_noise'))}; code {code_label(row)}, run "
                   f"{row.get('run_id')}.", "", QUALITY_HEADER]
         lines += [_check_line(name, check) for name, check in q["checks"].items()]
         lines.append("")

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from med_ddpm.data.datasets import build_dataset
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import build_model
 from med_ddpm.samplers import sampler_from_config
-from optim import DeviceInfo, RecipeStack
+from optim import DeviceInfo, RecipeConflictError, RecipeStack
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
@@ -32,7 +35,14 @@ def test_composes(primary, experiment):
         overrides.append(f"experiment={experiment}")
     cfg = compose_cfg(primary, overrides)
     assert cfg.model.in_channels == cfg.model.out_channels + cfg.model.cond_channels
-    assert cfg.get("recipe") in (None, {}) or experiment  # the default is the strict-FP32 path
+    # the default is the strict-FP32 path; an experiment's stack is exactly the one its defaults list names
+    assert sorted(cfg.get("recipe") or {}) == (sorted(experiment_recipes(experiment)) if experiment else [])
+
+
+def experiment_recipes(experiment: str) -> list[str]:
+    """The recipes ``configs/experiment/<experiment>.yaml`` puts in its defaults list (``override /recipe``)."""
+    defaults = OmegaConf.load(CONFIGS / "experiment" / f"{experiment}.yaml").get("defaults") or []
+    return next((list(d["override /recipe"]) for d in defaults if "override /recipe" in d), [])
 
 
 def test_experiment_writes_out_the_original_constants():
@@ -51,10 +61,17 @@ def test_command_line_model_overrides_the_experiment():
 
 
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml")))
-def test_model_configs_build(model):
+def test_model_configs_build_a_network_that_maps_volume_and_mask_to_eps(model):
+    """Each model config builds a network that takes image + mask channels at a small size its levels allow and
+    returns ε of the image's channels, with attention where ``attention_ds`` says."""
     cfg = compose_cfg("train", [f"model={model}"])
-    net = build_model(cfg.model)
-    assert net.in_channels == cfg.model.in_channels
+    net = build_model(cfg.model).eval()
+    size = 2 ** len(cfg.model.channel_mult)  # 2 voxels a side at the lowest level: GroupNorm needs more than one
+    with torch.no_grad():
+        eps = net(torch.zeros(1, cfg.model.in_channels, size, size, size), torch.tensor([1]))
+    assert eps.shape == (1, cfg.model.out_channels, size, size, size)
+    blocks = [m for m in net.input_blocks.modules() if type(m).__name__ == "AttentionBlock"]
+    assert bool(blocks) == bool(cfg.model.attention_ds)
 
 
 @pytest.mark.parametrize("sampler", sorted(p.stem for p in (CONFIGS / "sampler").glob("*.yaml")))
@@ -64,11 +81,21 @@ def test_sampler_configs_build(sampler):
     assert s.num_inference_steps == cfg.sampler.steps
 
 
-def test_all_recipes_instantiate_together_or_conflict_clearly():
+def test_every_pair_of_recipes_combines_or_conflicts_clearly():
+    """Every two recipes compose into one stack holding both, or are refused with an error naming both; the only
+    refusals are two recipes of one kind (two AMPs, two compiles) and two that set one backend flag differently
+    (torch_defaults' TF32 convolutions and cuDNN autotuning off against tf32 and cudnn_benchmark)."""
     names = sorted(p.stem for p in (CONFIGS / "recipe").glob("*.yaml"))
-    for name in names:
-        cfg = compose_cfg("train", [f"recipe=[{name}]"])
-        assert RecipeStack.from_config(cfg.recipe).names
+    refused = set()
+    for pair in itertools.combinations(names, 2):
+        node = OmegaConf.merge(*(OmegaConf.load(CONFIGS / "recipe" / f"{n}.yaml") for n in pair))
+        try:
+            assert sorted(RecipeStack.from_config(node).names) == sorted(pair)
+        except RecipeConflictError as err:
+            assert str(err).startswith(f"recipes {pair[0]!r} and {pair[1]!r} cannot be combined"), err
+            refused.add(pair)
+    assert refused == {("amp_bf16", "amp_fp16"), ("compile", "compile_cudagraphs"), ("tf32", "torch_defaults"),
+                       ("cudnn_benchmark", "torch_defaults")}
 
 
 def test_data_configs_instantiate(shared_dir):
@@ -78,19 +105,27 @@ def test_data_configs_instantiate(shared_dir):
     assert len(build_dataset(compose_cfg("train", []).data, [32, 32, 32])) == 8
 
 
-@pytest.mark.parametrize("logger", ["none", "wandb"])
-def test_logger_configs(logger):
-    cfg = compose_cfg("train", [f"logger={logger}"])
-    assert cfg.logger.name == logger
-    if logger == "wandb":
-        assert cfg.logger.mode == "offline"
+def test_logger_configs_build_their_trackers(monkeypatch):
+    """logger=none builds the no-op tracker; logger=wandb a W&B run, offline, in the run's output folder."""
+    from med_ddpm import tracking
+
+    assert type(tracking.build_tracker(compose_cfg("train", ["logger=none"]).logger)) is tracking.Tracker
+    started = {}
+    monkeypatch.setattr(tracking.WandbTracker, "__init__", lambda self, cfg, config: started.update(cfg=cfg))
+    cfg = compose_cfg("train", ["logger=wandb", "output_dir=/tmp/run"])
+    assert type(tracking.build_tracker(cfg.logger)) is tracking.WandbTracker
+    assert (started["cfg"]["mode"], started["cfg"]["dir"]) == ("offline", "/tmp/run")
 
 
-def test_every_target_is_importable():
+def test_every_recipe_config_builds_its_recipe_with_every_option_it_sets():
+    """``recipe=[name]`` builds the recipe called ``name``, and each option in its file reaches the recipe (a
+    misspelt or ignored key would not)."""
     for path in (CONFIGS / "recipe").glob("*.yaml"):
-        cfg = compose_cfg("train", [f"recipe=[{path.stem}]"])
-        for node in cfg["recipe"].values():
-            assert instantiate(node) is not None
+        node = compose_cfg("train", [f"recipe=[{path.stem}]"])["recipe"][path.stem]
+        recipe = instantiate(node)
+        assert recipe.name == path.stem
+        options = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "_target_"}
+        assert {k: recipe.options()[k] for k in options} == options
 
 
 def test_fast_sample_is_the_few_step_sampler_with_the_fastest_measured_stack():

@@ -1,52 +1,40 @@
-"""Does a training stack degrade the trained model? The quality model trained three times, then gated twice.
+"""Does a training stack change the trained model more than retraining does? The quality model trained k + 3 times.
 
-``experiment=quality_model`` is trained for ``steps`` optimizer steps three times, in fresh processes
-(``python -m med_ddpm.train``): with strict FP32 (``recipe=[]``, arm ``fp32``), with ``experiment``'s recipe stack
-(default ``fast_train``; the stack and the options it sets on its recipes are read from its config,
-:func:`bench.core.runner.experiment_stack`), and with strict FP32 and the next seed (``fp32_reseed``: ``seed=`` the
-quality model's + 1). The stack's run is the quality model's own config otherwise: the same seed, so the same
-initial weights, data order and every (t, ε) draw; batch 4 x grad_accum 1 in all three, which
-``compile_cudagraphs`` takes. Two training runs diverge even on one recipe stack (nondeterministic cuDNN weight
-gradients, chaotic SGD), so the reseeded run is what retraining alone changes: the null a stack is judged against.
-Then:
+``experiment=quality_model`` (at ``image_size``, default 32³) is trained for ``steps`` optimizer steps in fresh
+processes (``python -m med_ddpm.train``), batch 4 x grad_accum 1 in every run (``compile_cudagraphs`` takes it):
 
-* ``<out>/loss_curves.json`` and ``loss_curves.png``: the three runs' logged training loss (each run's
-  ``loss.jsonl``) overlaid, each with its mean over the last quarter of the steps. The stack's run sees FP32's
-  samples, t and ε at every step, so its per-step difference from FP32 is paired; the reseeded run's is not;
-* ``<out>/training.json``: per run (``arms``) its command, ``timings.json`` (steady ms per step; the runs may
-  come from several calls, so their ratio is not a same-run one) and ``starts.json`` (the commit of the code
-  that trained, and the GPU, at every start); it and ``loss_curves.json`` carry the commit (``git_sha``,
-  ``dirty``) of the code that wrote them, as every row does;
-* two gated rows in ``<out>/results.jsonl`` (:func:`quality_pair_ladder`): the FP32 run's EMA weights
-  as the reference, the stack's (the stack row) and the reseeded run's (the training-noise row) as the candidate
-  (``quality.candidate_checkpoint``, which names the row in its key and label), strict-FP32 DDPM with the same
-  masks and noise, so only the weights differ. The weights are gated under names holding a digest of their bytes
-  (:func:`frozen_weights`): a row gated before a run was retrained does not stand for the new weights;
-* ``<out>/training_verdict.json`` (printed too): per distribution check of the gate (intensity histogram W1, KID,
-  MMD, diversity gap), the stack row's value and p-value beside the training-noise row's, and ``within`` (training
-  noise) when the stack's statistic is no further from the reference than the reseeded model's (the magnitude for
-  the two-sided diversity gap), else ``further``. The verdict is ``pass`` when every check is
-  within, else ``inconclusive``, never ``fail``: with ONE draw of training noise (one reseed) a harmless stack
-  lands beyond that draw on a given check about half the time, so only a pass carries information (the stack
-  moved the samples no further than one retraining did). The reseeded run also starts from other weights and
-  sees another data order than the stack's run, a wider null than FP32 re-run on its seed, so a pass is a
-  lenient one. The paired and ε checks between two trained models measure how far apart their weights are, not
-  degradation: reported (``weight_differences``), not deciding. With the three runs' loss tail means. Without
-  both rows (a gate job cut by the budget or failed), or with a statistic that is not a number, the verdict is
-  ``undecided`` and says why. It carries the commit of the code that wrote it, as every row does;
-* ``<out>/training.md``: all of it as tables (:mod:`bench.quality.training_report`).
+* ``fp32``: strict FP32 (``recipe=[]``), the reference;
+* ``<experiment>``: ``experiment``'s recipe stack (default ``fast_train``; the stack and the options it sets on its
+  recipes are read from its config, :func:`bench.core.runner.experiment_stack`), the reference's config otherwise: the
+  same seed, so the same initial weights, data order and every (t, ε) draw;
+* ``control``: strict FP32 with ``control``'s overrides (default 4x the learning rate), a training a user could
+  get wrong, on the reference's seed: the verdict must fail it;
+* ``fp32_seed1`` .. ``fp32_seed<k>`` (``seeds``, default 4): strict FP32 on the next k seeds. Two trainings differ
+  even on one stack (nondeterministic cuDNN weight gradients, chaotic SGD), so these are the draws of what
+  retraining alone changes: the band a stack is judged against (:mod:`bench.quality.training_verdict`).
 
-Run as a ladder preset (1000 steps each: three runs and two gates take several 10-minute device calls,
-docs/quality.md; a call cut by ``budget_s`` is finished by running the same command again while ``runs`` is there):
-    python -m bench.ladder preset=quality_training out=bench/results/h200/quality/training budget_s=560
+Then each run's EMA weights but the reference's are gated against the reference's (``quality.candidate_checkpoint``,
+strict-FP32 DDPM with the same masks and noise, so only the weights differ; :func:`quality_pair_ladder`),
+one row per arm in ``<out>/results.jsonl``, the weights gated under names holding a digest of their bytes
+(:func:`frozen_weights`). It writes:
 
-Options (``quality_training.*`` in configs/ladder.yaml): ``steps`` (1000), ``experiment`` (fast_train), ``runs``
-(the three runs and their compile cache; default ``runs/quality_training``, git-ignored), ``gpus`` (1; N > 1
-trains the arms concurrently, one per GPU, :func:`train_arms`) and ``overrides``, a list
-of Hydra overrides: ``train.*`` go to the training runs, ``quality.*`` and ``bench.*`` to the gate, the rest
-(``model``, ``data``, ``diffusion``, ``sampler``, ``device``, ``seed``, ...) to both (a ``seed=`` there moves the
-reseeded run to that seed + 1). Resumable: a run is continued from its last checkpoint (``resume=auto``), a
-finished run and a row already in results.jsonl are kept, so a cut call is finished by the same command.
+* ``loss_curves.json`` / ``.png``: every run's logged loss and its mean over the last quarter; runs on the reference's
+  seed see its samples, t and ε at every step, so their per-step difference from it is paired;
+* ``training.json``: per run its command, ``timings.json`` and ``starts.json`` (the commit and GPU of every start);
+* ``training_verdict.json`` (printed too): :func:`bench.quality.training_verdict.training_verdict` of the rows;
+* ``training.md``: all of it as tables (:mod:`bench.quality.training_report`).
+Each carries the commit of the code that wrote it, as every row does.
+
+Run as a ladder preset (one device call on one H100 or H200, docs/quality.md; a call cut by ``budget_s`` is finished
+by the same command, the runs being resumed from ``runs``):
+    python -m bench.ladder preset=quality_training out=bench/results/h200/quality/training budget_s=450
+
+Options (``quality_training.*`` in configs/ladder.yaml): ``steps``, ``experiment``, ``seeds``, ``control``,
+``image_size``, ``runs`` (default ``runs/quality_training``, git-ignored), ``gpus`` (N > 1 trains the arms
+concurrently, one per GPU, :func:`train_arms`) and ``overrides``, Hydra overrides: ``train.*`` go to the training
+runs, ``quality.*`` and ``bench.*`` to the gates, the rest (``model``, ``data``, ``seed``, ...) to both (a ``seed=``
+moves the reseeded runs to the seeds after it). Resumable: a run continues from its last checkpoint (``resume=auto``),
+a finished run and a row already in results.jsonl are kept.
 """
 
 from __future__ import annotations
@@ -59,33 +47,40 @@ import queue
 import shutil
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra import compose
+from omegaconf import DictConfig
 
 from bench.core import presets
 from bench.core.records import RESULTS_FILE, candidate_checkpoint, provenance, read_rows
 from bench.core.runner import Job, experiment_stack, run_ladder
 from bench.core.subprocesses import spawn
-from bench.quality.training_report import NOISE, REFERENCE, RESEED, VERDICT_FILE, arm_label
-from med_ddpm.checkpoint import read_checkpoint
+from bench.quality.training_report import CONTROL, REFERENCE, VERDICT_FILE, arm_label
+from bench.quality.training_verdict import training_verdict
+from bench.quality.validation import held_out_phantoms, validation_loss
+from med_ddpm.checkpoint import load_checkpoint, read_checkpoint
 from med_ddpm.cli import CONFIG_DIR, configs
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
 from med_ddpm.run_clock import TIMINGS_FILE
 from med_ddpm.train import read_loss_log
-from med_ddpm.utils import atomic_write_text, save_figure
+from med_ddpm.utils import atomic_write_text, resolve_device, save_figure
+from optim import RecipeStack
 
-TWO_SIDED = ("diversity_gap",)  # the gate tests it two-sided (med_ddpm.quality.gate): its magnitude is the distance
-PAIRED = {"stack": f"{REFERENCE} vs the stack", NOISE: f"{REFERENCE} vs {RESEED}"}  # what each gated row compares
 STARTS_FILE = "starts.json"  # in each run's folder: every (re)start's commit and GPU
-NOTE = ("one draw of training noise (one reseeded FP32 run): a pass means no check moved further from FP32 than one "
-        "retraining did; a check beyond that one draw is not evidence of harm (a harmless stack lands there about "
-        "half the time), hence inconclusive. The paired and eps checks between two trained models measure how far "
-        "apart their weights are, not degradation: reported, not deciding.")
 TAIL = 0.25  # the loss summary averages the last quarter of the logged steps
+MIN_SEEDS = 4  # the fresh seed is judged against the other seeds: at least 3 of them (MIN_DRAWS)
+VALIDATION_PHANTOMS, VALIDATION_DRAWS = 64, 8  # held-out phantoms and fixed (t, eps) draws of each for val_loss
+
+
+def reseeds(seeds: int) -> list[str]:
+    """The reseeded FP32 arms, in seed order: ``fp32_seed1`` .. ``fp32_seed<seeds>``."""
+    return [f"{REFERENCE}_seed{i}" for i in range(1, seeds + 1)]
 
 
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -97,22 +92,32 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
             [o for o in overrides if top(o) != "train"])
 
 
-def quality_model_seed(overrides: Sequence[str] = ()) -> int:
-    """The quality model's run seed under ``overrides`` (its config is the one source)."""
+def quality_model_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The quality model's training config under ``overrides`` (its config is the one source of its seed and
+    device)."""
     with configs():
-        return int(compose("train", overrides=["experiment=quality_model", *overrides, "output_dir=."]).seed)
+        return compose("train", overrides=["experiment=quality_model", *overrides, "output_dir=."])
 
 
-def training_commands(steps: int, experiment: str, runs: Path, overrides: Sequence[str] = ()) -> dict[str, list[str]]:
-    """Arm name -> ``python -m`` argv of its training run: strict FP32, ``experiment``'s stack (nothing else apart)
-    and strict FP32 with the next seed (the run seed alone apart: another draw of the training noise)."""
+def training_commands(steps: int, experiment: str, runs: Path, control: Sequence[str], overrides: Sequence[str] = (),
+                      seeds: int = MIN_SEEDS) -> dict[str, list[str]]:
+    """Arm name -> ``python -m`` argv of its training run: strict FP32 on the quality model's seed s (the reference),
+    strict FP32 on seeds s + 1 .. s + ``seeds`` (the band), ``experiment``'s stack on s + seeds + 1 and strict FP32
+    with the ``control`` overrides on s + seeds + 2. Every arm but the reference is on a seed of its own, so under
+    "harmless" the stack and the control are one more draw of retraining, as each band run is."""
     if not (CONFIG_DIR / "experiment" / f"{experiment}.yaml").exists():
         raise ConfigError(f"quality_training.experiment={experiment}: no configs/experiment/{experiment}.yaml; "
                           "name an experiment whose recipe stack to train with (fast_train)")
-    stacks = {REFERENCE: ["recipe=[]"], experiment: experiment_stack(experiment), RESEED: ["recipe=[]"]}
-    reseed = {RESEED: [f"seed={quality_model_seed(overrides) + 1}"]}  # after the overrides: it wins over a seed= there
+    if seeds < MIN_SEEDS:
+        raise ConfigError(f"quality_training.seeds={seeds}: the fresh seed is judged against the band of the other "
+                          f"seeds, which needs {MIN_SEEDS - 1} of them; pass quality_training.seeds>={MIN_SEEDS}")
+    stacks = {REFERENCE: ["recipe=[]"], **{arm: ["recipe=[]"] for arm in reseeds(seeds)},
+              experiment: experiment_stack(experiment), CONTROL: ["recipe=[]", *control]}
+    seed = int(quality_model_config(overrides).seed)
+    # after the overrides, so that it wins over a seed= there
+    moved = {arm: [f"seed={seed + offset}"] for offset, arm in enumerate(stacks) if offset}
     return {arm: ["med_ddpm.train", "experiment=quality_model", *stack, f"train.max_steps={steps}", *overrides,
-                  *reseed.get(arm, []), f"output_dir={runs / arm}", "resume=auto", "train.progress=false"]
+                  *moved.get(arm, []), f"output_dir={runs / arm}", "resume=auto", "train.progress=false"]
             for arm, stack in stacks.items()}
 
 
@@ -168,7 +173,7 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
                gpus: Sequence[str] = ()) -> dict[str, str]:
     """Each arm's status (:func:`train_arm`), the arms started in order. With several ``gpus``
     (CUDA_VISIBLE_DEVICES entries) they run concurrently, one per GPU, a GPU taking the next arm when its run
-    ends: on three GPUs the three runs take the time of the longest one. Each run has a GPU of its own (the CPU
+    ends. Each run has a GPU of its own (the CPU
     is shared), and ``starts.json`` records which; with none given they run one after another on the default
     device.
     An arm that fails does not stop the others (its status says so)."""
@@ -190,24 +195,29 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
         return dict(zip(commands, pool.map(one, commands)))
 
 
-def compare_losses(curves: dict[str, tuple[list[int], list[float]]], reference: str,
-                   unpaired: Collection[str] = ()) -> dict[str, Any]:
-    """Each run's mean loss over the last quarter of its logged steps and, for a run on the reference's data order,
-    its paired difference there (same steps, so the same samples, t and ε: the difference is the stack's alone).
-    An ``unpaired`` run (another seed: other samples, t and ε at each step) gets no per-step difference."""
-    ref = dict(zip(*curves[reference]))
+def tail_losses(curves: dict[str, tuple[list[int], list[float]]]) -> dict[str, Any]:
+    """Each run's mean training loss over the last quarter of its logged steps (every run draws its own samples,
+    t and ε: the runs' curves are compared unpaired)."""
     out: dict[str, Any] = {"tail_fraction": TAIL}
     for arm, (steps, losses) in curves.items():
-        tail = steps[math.floor(len(steps) * (1 - TAIL)):]
-        mine = dict(zip(steps, losses))
+        tail = losses[math.floor(len(losses) * (1 - TAIL)):]
         out[arm] = {"logged_steps": len(steps), "last_step": steps[-1] if steps else None,
-                    "tail_mean_loss": sum(mine[s] for s in tail) / len(tail) if tail else None}
-        if arm == reference:
-            continue
-        out[arm]["paired"] = arm not in unpaired
-        shared = [s for s in tail if s in ref]
-        if out[arm]["paired"] and shared:
-            out[arm]["tail_mean_difference"] = sum(mine[s] - ref[s] for s in shared) / len(shared)
+                    "tail_mean_loss": sum(tail) / len(tail) if tail else None}
+    return out
+
+
+def validation_losses(runs: Path, arms: Sequence[str], device: torch.device) -> dict[str, float]:
+    """Each run's EMA weights' ε-MSE on :data:`VALIDATION_PHANTOMS` held-out phantoms, :data:`VALIDATION_DRAWS` fixed
+    (t, ε) each, the same for every run (:func:`bench.quality.validation.validation_loss`)."""
+    out, phantoms = {}, None
+    for arm in arms:
+        loaded = load_checkpoint(runs / arm / "checkpoints" / "last.pt", weights="ema")
+        model, schedule = loaded.model.to(device).eval(), loaded.schedule.to(device)
+        if phantoms is None:  # every run is the quality model at one size: the same phantoms for all
+            variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
+            phantoms = held_out_phantoms(VALIDATION_PHANTOMS, tuple(loaded.config["model"]["image_size"]), variant)
+        with RecipeStack([]).session():
+            out[arm] = validation_loss(model, schedule, *phantoms, device, draws=VALIDATION_DRAWS)
     return out
 
 
@@ -219,7 +229,7 @@ def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
     fig = Figure(figsize=(7, 4))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for colour, (arm, (steps, losses)) in zip(("tab:blue", "tab:orange", "tab:green"), curves.items()):
+    for colour, (arm, (steps, losses)) in zip((f"C{i}" for i in range(10)), curves.items()):
         window = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
         ax.plot(steps, losses, color=colour, lw=0.6, alpha=0.4)
         ax.plot(steps, window, color=colour, lw=1.8, label=arm_label(arm))
@@ -230,16 +240,19 @@ def plot_losses(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
     return save_figure(fig, path)
 
 
-def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: int) -> dict[str, Any]:
-    """loss_curves.json / .png and training.json from the finished runs."""
+def write_curves(out: Path, runs: Path, commands: dict[str, list[str]], steps: int,
+                 device: torch.device) -> dict[str, Any]:
+    """loss_curves.json / .png and training.json from the finished runs; the summary: each run's training-loss tail
+    and validation loss."""
     curves = {arm: read_loss_log(runs / arm) for arm in commands}
-    summary = compare_losses(curves, REFERENCE, unpaired=(RESEED,))
+    summary = tail_losses(curves)
+    for arm, value in validation_losses(runs, list(commands), device).items():
+        summary[arm]["val_loss"] = value
     code = provenance()
     atomic_write_text(out / "loss_curves.json", json.dumps(
         {"summary": summary, "curves": {arm: {"step": s, "loss": v} for arm, (s, v) in curves.items()}, **code},
         indent=1))
-    plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each:\nthe stack on FP32's seed and "
-                "data order, the reseeded FP32 run on its own")
+    plot_losses(curves, out / "loss_curves.png", f"quality model, {steps} steps each, every run on its own seed")
 
     def read(arm: str, name: str) -> Any:
         return json.loads(p.read_text()) if (p := runs / arm / name).exists() else None
@@ -272,16 +285,16 @@ def quality_pair_ladder(reference: str | None, candidate: str | None) -> list[Jo
                                                                    "candidate_checkpoint": candidate})]
 
 
-def gated_pairs(runs: Path, experiment: str) -> dict[str, tuple[str, str]]:
-    """Row name -> (reference, candidate) EMA weights of the finished runs, by content: the stack's row and the
-    training-noise row."""
-    weights = {arm: frozen_weights(runs / arm / "checkpoints" / "last.pt") for arm in (REFERENCE, experiment, RESEED)}
-    return {"stack": (weights[REFERENCE], weights[experiment]), NOISE: (weights[REFERENCE], weights[RESEED])}
+def gated_pairs(runs: Path, arms: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Arm -> (reference, candidate) EMA weights of the finished runs, by content, for every arm but the
+    reference."""
+    weights = {arm: frozen_weights(runs / arm / "checkpoints" / "last.pt") for arm in arms}
+    return {arm: (weights[REFERENCE], weights[arm]) for arm in arms if arm != REFERENCE}
 
 
 def gate_jobs(pairs: dict[str, tuple[str, str]], runs: Path, overrides: Sequence[str] = ()) -> list[list[str]]:
     """The ladder jobs of the gated pairs. They share the FP32 reference arm, so one reference cache (in ``runs``,
-    keyed by the reference's weights) serves both: its DDPM-250 samples are computed once."""
+    keyed by the reference's weights) serves them all: its DDPM samples are computed once."""
     cache = f"quality.cache_dir={runs / 'gate_cache'}"
     return [[*job, cache, *overrides] for pair in pairs.values() for job in quality_pair_ladder(*pair)]
 
@@ -294,94 +307,44 @@ def gated_row(rows: list[dict[str, Any]], pair: tuple[str, str]) -> dict[str, An
     return last if last.get("status") == "ok" and (last.get("quality") or {}).get("checks") else None
 
 
-def distance(name: str, value: Any) -> float:
-    """How far a check's statistic puts the candidate from the reference: the value, or its magnitude for a
-    two-sided check (``diversity_gap`` may go either way). JSON keeps a NaN as a string; float() reads it."""
-    return abs(float(value)) if name in TWO_SIDED else float(value)
-
-
-def compare_checks(stack: dict[str, Any], noise: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per distribution check: both rows' value and p-value, and ``within`` when the stack is no further from the
-    reference than the training noise, ``further`` when it is, ``undecided`` when either is not a number."""
-    out = {}
-    for name, check in stack["quality"]["checks"].items():
-        other = noise["quality"]["checks"].get(name)
-        if check.get("kind") != "distribution" or other is None:
-            continue
-        mine, theirs = distance(name, check["value"]), distance(name, other["value"])
-        finite = math.isfinite(mine) and math.isfinite(theirs)
-        out[name] = {"stack": {k: check.get(k) for k in ("value", "p_value", "status")},
-                     NOISE: {k: other.get(k) for k in ("value", "p_value", "status")},
-                     "verdict": "undecided" if not finite else "within" if mine <= theirs else "further"}
-    return out
-
-
-def weight_differences(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The paired and ε checks of each row: how far apart two trained networks are, reported, not deciding."""
-    names = [n for n, c in rows["stack"]["quality"]["checks"].items() if c.get("kind") != "distribution"]
-    return {n: {arm: row["quality"]["checks"].get(n, {}).get("value") for arm, row in rows.items()} for n in names}
-
-
-def training_verdict(stack: dict[str, Any] | None, noise: dict[str, Any] | None,
-                     losses: dict[str, Any]) -> dict[str, Any]:
-    """The stack's row judged against the training-noise row (module docstring); ``undecided`` without both."""
-    out: dict[str, Any] = {"note": NOTE, "tail_mean_loss": {arm: v["tail_mean_loss"] for arm, v in losses.items()
-                                                            if isinstance(v, dict)}}
-    rows = {"stack": stack, NOISE: noise}
-    missing = [f"{name} row ({PAIRED[name]})" for name, row in rows.items() if row is None]
-    if missing:
-        return {"verdict": "undecided", "why": f"no gated {' and no '.join(missing)} in results.jsonl (cut by the "
-                "budget or failed): rerun the same command", **out}
-    checks = compare_checks(stack, noise)
-    found = {state: [f"{n}: stack {float(c['stack']['value']):.3g} vs training noise {float(c[NOISE]['value']):.3g}"
-                     for n, c in checks.items() if c["verdict"] == state] for state in ("undecided", "further")}
-    if not checks or found["undecided"]:
-        verdict, why = "undecided", "; ".join(found["undecided"]) or "the rows hold no distribution check"
-    elif found["further"]:
-        verdict, why = "inconclusive", "further than one draw of training noise on " + "; ".join(found["further"])
-    else:
-        verdict, why = "pass", "within training noise"
-    return {"verdict": verdict, "why": why, "checks": checks,
-            "gate": {name: row["quality"]["verdict"] for name, row in rows.items()},
-            "weight_differences": weight_differences(rows), **out}
-
-
-def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], losses: dict[str, Any]) -> dict[str, Any]:
+def write_verdict(out: Path, pairs: dict[str, tuple[str, str]], experiment: str, seeds: int,
+                  summary: dict[str, Any]) -> dict[str, Any]:
     rows = read_rows(out) if (out / RESULTS_FILE).exists() else []
-    verdict = {**training_verdict(gated_row(rows, pairs["stack"]), gated_row(rows, pairs[NOISE]), losses),
+    val_losses = {arm: v["val_loss"] for arm, v in summary.items() if isinstance(v, dict)}
+    verdict = {**training_verdict({arm: gated_row(rows, pair) for arm, pair in pairs.items()}, val_losses, REFERENCE,
+                                  experiment, CONTROL, reseeds(seeds)),
+               "tail_mean_loss": {arm: v["tail_mean_loss"] for arm, v in summary.items() if isinstance(v, dict)},
                **provenance()}
     atomic_write_text(out / VERDICT_FILE, json.dumps(verdict, indent=1))
-    print(json.dumps({k: verdict[k] for k in ("verdict", "why", "tail_mean_loss")}, indent=1))
+    print(json.dumps({k: verdict.get(k) for k in ("verdict", "why", "controls_ok", "val_loss")}, indent=1))
     return verdict
 
 
-def list_left(out: Path, commands: dict[str, list[str]], runs: Path, steps: int, experiment: str,
-              gate_overrides: Sequence[str]) -> int:
+def list_left(out: Path, commands: dict[str, list[str]], runs: Path, steps: int, gate_overrides: Sequence[str]) -> int:
     """``dry_run``: print each run as done or to do and, once all are finished, the gate jobs (the ladder's
     listing); train and gate nothing. Returns the runs and gate jobs left."""
     left = [arm for arm in commands if not finished(runs / arm, steps)]
     for arm, argv in commands.items():
         print(f"[{'todo' if arm in left else 'done'}] python -m {' '.join(argv)}")
     if left:
-        print(f"[todo] the two gates, once the {len(commands)} runs are finished")
-        return len(left) + len(PAIRED)
-    return run_ladder(out, gate_jobs(gated_pairs(runs, experiment), runs, gate_overrides), 0, dry_run=True,
+        print(f"[todo] the {len(commands) - 1} gates, once the {len(commands)} runs are finished")
+        return len(left) + len(commands) - 1
+    return run_ladder(out, gate_jobs(gated_pairs(runs, list(commands)), runs, gate_overrides), 0, dry_run=True,
                       complete_baselines=False)
 
 
-def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path = Path("runs/quality_training"),
-        budget_s: float = math.inf, overrides: Sequence[str] = (), gpus: Sequence[str] = (),
-        dry_run: bool = False) -> int:
-    """Train the three arms (concurrently on ``gpus``, :func:`train_arms`), write the loss curves, gate the
-    stack's and the reseeded EMA models against FP32's and write the training verdict. Returns the gate jobs
-    left (0: done), or before the gates 1 when a run failed and 2 when the budget cut one. ``dry_run`` lists
-    what is left instead (:func:`list_left`)."""
+def run(out: Path, steps: int, control: Sequence[str], experiment: str = "fast_train",
+        runs: Path = Path("runs/quality_training"), budget_s: float = math.inf, overrides: Sequence[str] = (),
+        gpus: Sequence[str] = (), dry_run: bool = False, seeds: int = MIN_SEEDS) -> int:
+    """Train the arms (concurrently on ``gpus``, :func:`train_arms`), write the loss curves, gate every arm's EMA
+    model against FP32's and write the training verdict. Returns the gate jobs left (0: done), or before the gates 1
+    when a run failed and 2 when the budget cut one. ``dry_run`` lists what is left instead (:func:`list_left`)."""
     start = time.monotonic()
     train_overrides, gate_overrides = split_overrides(overrides)
     runs = runs.resolve()
-    commands = training_commands(steps, experiment, runs, train_overrides)
+    commands = training_commands(steps, experiment, runs, control, train_overrides, seeds)
     if dry_run:
-        return list_left(out, commands, runs, steps, experiment, gate_overrides)
+        return list_left(out, commands, runs, steps, gate_overrides)
     statuses = train_arms(commands, runs, steps, budget_s, gpus)
     unfinished = {arm: status for arm, status in statuses.items() if status != "done"}
     for arm, status in unfinished.items():
@@ -389,10 +352,9 @@ def run(out: Path, steps: int = 1000, experiment: str = "fast_train", runs: Path
     if unfinished:
         return 1 if "error" in unfinished.values() else 2
     out.mkdir(parents=True, exist_ok=True)
-    losses = write_curves(out, runs, commands, steps)
-    print(json.dumps(losses))
-    pairs = gated_pairs(runs, experiment)
+    summary = write_curves(out, runs, commands, steps, resolve_device(str(quality_model_config(train_overrides).device)))
+    pairs = gated_pairs(runs, list(commands))
     left = run_ladder(out, gate_jobs(pairs, runs, gate_overrides), budget_s - (time.monotonic() - start),
                       complete_baselines=False)
-    write_verdict(out, pairs, losses)
+    write_verdict(out, pairs, experiment, seeds, summary)
     return left

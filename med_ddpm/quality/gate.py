@@ -5,10 +5,12 @@ Four kinds of check (``configs/quality/default.yaml``):
 * ``bias``: a *systematic* denoiser error on identical inputs x_t (probes at t = 0, T/4, T/2, 3T/4,
   T−1, every one of the N samples): the per-sample least-squares slope of candidate ε on reference
   ε (a scale error ε·(1+δ) gives slope 1+δ) and the per-sample mean error (an offset). Also the
-  per-sample mean error of the paired final samples. Judged by effect size *and* significance:
-  the mean deviation over samples, its sign-flip p-value (:func:`med_ddpm.quality.stats.bias_test`);
-  fail when it exceeds ``fail`` and p < ``alpha.bias``, warn above ``pass``. Rounding noise
-  has no preferred sign, so it does not trip these however large it is.
+  per-sample mean error of the paired final samples. Judged by effect size *and* significance at
+  every probed timestep: the mean deviation over samples, its sign-flip p-value
+  (:func:`med_ddpm.quality.stats.bias_test`) Holm-corrected over the timesteps tested; fail when at any
+  timestep it exceeds ``fail`` and the corrected p < ``alpha.bias``, warn above ``pass``. Rounding
+  noise has no preferred sign, so it does not trip these however large it is. An N or ``n_perm``
+  at which the test cannot reach its corrected level is refused (:class:`ConfigError`).
 * ``limit``: a lower-is-better magnitude against fixed limits (``pass``, ``warn``): the random part
   of the ε error (RMS of the residual after the slope, in ε units), the paired sample distances
   (normalised RMSE, 1 − SSIM, max error) and the non-finite count.
@@ -32,11 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.quality.features import FeatureExtractor, RandomConv3dFeatures
 from med_ddpm.quality.metrics import MSSSIM, PSNR, SSIM, MaxAbsError, frechet_distance, region_mask
 from med_ddpm.quality.stats import (
+    BiasResult,
     bias_test,
     histogram_w1,
+    holm,
     intensity_histograms,
     linear_kernel,
     mmd2_unbiased,
@@ -44,6 +49,7 @@ from med_ddpm.quality.stats import (
     per_sample_fit,
     permutation_test,
     polynomial_kernel,
+    smallest_bias_p,
 )
 from med_ddpm.utils import json_safe
 
@@ -101,6 +107,7 @@ class QualityGate:
     # -- numbers ------------------------------------------------------------------------
     def measure(self, ref: TrajectoryRun, cand: TrajectoryRun) -> dict[str, dict[str, Any]]:
         """Every check's numbers (value and what decides it), keyed by check name."""
+        self.check_bias_power(len(ref.cond), len(ref.eps_probe))
         out = self._drift(ref, cand)
         if cand.samples is None:
             return out
@@ -125,22 +132,31 @@ class QualityGate:
         scale, offset, noise, rel = {}, {}, {}, {}
         for t, e_ref in ref.eps_probe.items():
             slope, mean, residual = per_sample_fit(cand.eps_probe[t], e_ref)
-            scale[t] = bias_test(slope - 1, n_perm=self.n_perm, alpha=self.alpha["bias"])
-            offset[t] = bias_test(mean, n_perm=self.n_perm, alpha=self.alpha["bias"])
+            scale[t], offset[t] = self._bias_test(slope - 1, len(ref.eps_probe)), self._bias_test(mean, len(ref.eps_probe))
             noise[t] = float(residual.mean())
             diff = cand.eps_probe[t].double() - e_ref.double()
             rel[t] = float(diff.norm() / e_ref.double().norm().clamp_min(1e-30))
-        return {"eps_scale_bias": self._worst_bias(scale), "eps_mean_bias": self._worst_bias(offset),
+        return {"eps_scale_bias": bias_over(scale), "eps_mean_bias": bias_over(offset),
                 "eps_noise": {"value": _nanmax(noise.values()), "per_t": noise},
                 "eps_rel_l2": {"value": _nanmax(rel.values()), "per_t": rel}}
 
-    def _worst_bias(self, per_t: Mapping[int, Any]) -> dict[str, Any]:
-        """The timestep with the largest |mean deviation|; its p-value Bonferroni-corrected over timesteps."""
-        t = max(per_t, key=lambda k: abs(per_t[k].value) if math.isfinite(per_t[k].value) else math.inf)
-        worst = per_t[t]
-        return {"value": worst.value, "t": t, "p_value": min(1.0, worst.p_value * len(per_t)),
-                "detectable": max(r.detectable for r in per_t.values()), "n_perm": worst.n_perm,
-                "per_t": {k: r.value for k, r in per_t.items()}}
+    def _bias_test(self, deviations: torch.Tensor, tests: int) -> BiasResult:
+        """:func:`bias_test` of one of ``tests`` tests Holm-corrected together: its ``detectable`` at alpha / tests,
+        the level the first Holm step asks of the most significant one."""
+        return bias_test(deviations, n_perm=self.n_perm, alpha=self.alpha["bias"] / tests)
+
+    def check_bias_power(self, n: int, timesteps: int) -> None:
+        """Refuse an N (or ``n_perm``) at which a bias check could never fail: the sign-flip test's smallest p-value
+        (:func:`smallest_bias_p`) must be below ``alpha.bias`` / the timesteps tested, Holm's first step."""
+        alpha = float(self.alpha["bias"])
+        level = alpha / timesteps
+        if not any(c["kind"] == "bias" for c in self.checks.values()) or smallest_bias_p(n, self.n_perm) < level:
+            return
+        exact_n = next(k for k in range(2, 64) if 2.0 ** (1 - k) < level)
+        what, fix = ((f"quality.n_samples={n}", f"quality.n_samples>={exact_n}") if n < exact_n else
+                     (f"quality.n_perm={self.n_perm}", f"quality.n_perm>={math.ceil(1 / level)}"))
+        raise ConfigError(f"{what}: the bias checks' sign-flip test cannot reach p < {level:.3g} (alpha.bias {alpha} "
+                          f"over {timesteps} probed timesteps, Holm), so they could never fail; pass {fix}")
 
     def _paired(self, ref: TrajectoryRun, cand: TrajectoryRun) -> dict[str, dict[str, Any]]:
         pred, target = cand.samples, ref.samples
@@ -157,9 +173,7 @@ class QualityGate:
                 out[f"x0_{region}_max_error"] = _metric_value(self.in_mask["max_error"], pred, target, mask=mask)
         result = {k: {"value": float(v)} for k, v in out.items()}
         _, mean, _ = per_sample_fit(pred, target)
-        bias = bias_test(mean, n_perm=self.n_perm, alpha=self.alpha["bias"])
-        result["x0_mean_bias"] = {"value": bias.value, "p_value": bias.p_value, "detectable": bias.detectable,
-                                  "n_perm": bias.n_perm}
+        result["x0_mean_bias"] = bias_over({"x0": self._bias_test(mean, 1)})
         return result
 
     def _distribution(self, ref: TrajectoryRun, cand: TrajectoryRun) -> dict[str, dict[str, Any]]:
@@ -220,18 +234,28 @@ class QualityGate:
                    "paired": candidate.samples is not None and self.is_paired(reference, candidate),
                    "n_samples": len(reference.cond), "n_masks": int(len(np.unique(mask_strata(reference.cond)))),
                    "noise_seeds": [reference.noise_seed, candidate.noise_seed],
-                   "extractor": self.extractor.describe(), "min_detectable_eps_bias": self.min_detectable_bias(checks)}
+                   "extractor": self.extractor.describe(), "min_detectable_eps_bias": self.min_detectable_bias(checks),
+                   "min_detectable_eps_noise": self.min_detectable_noise()}
         return QualityReport(verdict, checks, reported, reasons, context)
 
     def min_detectable_bias(self, checks: Mapping[str, Mapping[str, Any]]) -> float | None:
-        """The smallest ε scale error δ this gate fails: above the ``fail`` effect size and
-        beyond what this N can tell from noise (the null's detectable mean)."""
+        """The smallest ε scale error δ this gate fails: above the ``fail`` effect size and beyond what this N can
+        tell from noise at the timestep where it tells the most (the null's detectable mean at alpha / the
+        timesteps tested, Holm's first step)."""
         spec, check = self.checks.get("eps_scale_bias"), checks.get("eps_scale_bias")
         if spec is None or check is None:
             return None
-        return max(float(spec["fail"]), float(check["detectable"]))
+        return max(float(spec["fail"]), min(r["detectable"] for r in check["per_t"].values()))
+
+    def min_detectable_noise(self) -> float | None:
+        """The smallest random ε error σ (ε + N(0, σ²)) this gate fails: its residual RMS is σ, which fails above
+        ``eps_noise``'s warn limit."""
+        spec = self.checks.get("eps_noise")
+        return None if spec is None else float(spec["warn"])
 
     def _judge(self, spec: Mapping[str, Any], m: Mapping[str, Any]) -> dict[str, Any]:
+        if spec["kind"] == "bias":
+            return self._judge_bias(spec, m)
         value = m["value"]
         if not math.isfinite(value):
             return {"status": "fail", "why": "not finite"}
@@ -239,16 +263,31 @@ class QualityGate:
             p = m["p_value"]
             status = "fail" if p < self.alpha["fail"] else "warn" if p < self.alpha["warn"] else "pass"
             return {"status": status, "why": f"p={p:.3g} against the permutation null"}
-        if spec["kind"] == "bias":
-            significant = m["p_value"] < self.alpha["bias"]
-            size = abs(value)
-            status = ("fail" if significant and size > spec["fail"] else
-                      "warn" if significant and size > spec["pass"] else "pass")
-            return {"status": status, "pass_limit": spec["pass"], "fail_limit": spec["fail"],
-                    "why": f"|{value:.3g}| vs pass {spec['pass']}, fail {spec['fail']}, p={m['p_value']:.3g}"}
         status = "pass" if value <= spec["pass"] else "warn" if value <= spec["warn"] else "fail"
         return {"status": status, "pass_limit": spec["pass"], "warn_limit": spec["warn"],
                 "why": f"limits pass {spec['pass']}, warn {spec['warn']}"}
+
+    def _judge_bias(self, spec: Mapping[str, Any], m: Mapping[str, Any]) -> dict[str, Any]:
+        """Each tested timestep on its own: fail when its Holm-corrected p < ``alpha.bias`` and |mean| > ``fail``,
+        warn when significant and above ``pass``; the check is its worst timestep's status, reported with that
+        timestep's numbers (the largest |mean| among ties)."""
+        def status(r: Mapping[str, Any]) -> str:
+            size, significant = abs(r["value"]), r["p_value"] < self.alpha["bias"]
+            if not math.isfinite(size):
+                return "fail"
+            return ("fail" if significant and size > spec["fail"] else
+                    "warn" if significant and size > spec["pass"] else "pass")
+
+        def rank(t: Any) -> tuple[int, float]:
+            size = abs(m["per_t"][t]["value"])
+            return VERDICTS.index(status(m["per_t"][t])), size if math.isfinite(size) else math.inf
+
+        t = max(m["per_t"], key=rank)
+        r = m["per_t"][t]
+        return {"status": status(r), "value": r["value"], "p_value": r["p_value"], "t": t,
+                "pass_limit": spec["pass"], "fail_limit": spec["fail"],
+                "why": f"|{r['value']:.3g}| at t={t} vs pass {spec['pass']}, fail {spec['fail']}, Holm-corrected "
+                       f"p={r['p_value']:.3g} over {len(m['per_t'])} timestep(s)"}
 
     def _why_not(self, spec: Mapping[str, Any], ref: TrajectoryRun, cand: TrajectoryRun) -> str:
         if cand.samples is None:
@@ -256,6 +295,17 @@ class QualityGate:
         if spec["kind"] in ("paired", "bias"):
             return "different sampler or noise seed: paths differ by design, judged by the distribution checks"
         return "not measured (empty region)"
+
+
+def bias_over(per_t: Mapping[Any, BiasResult]) -> dict[str, Any]:
+    """One bias check's numbers over its tested timesteps (or the one x0 test): per timestep its mean deviation,
+    its p-value Holm-corrected over the timesteps (:func:`med_ddpm.quality.stats.holm`) and its detectable mean; the check's
+    value is the largest |mean| (the gate judges every timestep, :meth:`QualityGate._judge_bias`)."""
+    adjusted = holm([r.p_value for r in per_t.values()])
+    rows = {t: {"value": r.value, "p_value": p, "detectable": r.detectable} for (t, r), p in zip(per_t.items(), adjusted)}
+    t = max(rows, key=lambda k: abs(rows[k]["value"]) if math.isfinite(rows[k]["value"]) else math.inf)
+    return {"value": rows[t]["value"], "t": t, "p_value": rows[t]["p_value"],
+            "n_perm": next(iter(per_t.values())).n_perm, "per_t": rows}
 
 
 def _metric_value(metric, pred, target=None, **kw) -> float:

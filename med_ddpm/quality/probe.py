@@ -205,6 +205,8 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     n = max(int(n_samples or 0), int(q["n_samples"]))
     cond = phantom_masks(n, int(q["n_masks"]), tuple(cfg["model"]["image_size"]), variant, seed).to(device)
     T = schedule.num_train_timesteps
+    gate = QualityGate(q, device=device)
+    gate.check_bias_power(n, len(default_probe_timesteps(T)))  # before any trajectory is run
     ddpm = DDPMSampler(schedule)
     ddpm.set_timesteps(T)
     shape = (n, model.out_channels, *cond.shape[2:])
@@ -229,7 +231,7 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
                          run_trajectory(other_net, sampler, cond, noise, probe_inputs=reference.probe_inputs))
     else:
         candidate = stack_candidate(cfg, model, sampler, reference, cond, noise)
-    report = QualityGate(q, device=device).run(reference, candidate)
+    report = gate.run(reference, candidate)
     report.context["checkpoints"] = {"reference": checkpoint, "candidate": other or checkpoint}
     return report
 

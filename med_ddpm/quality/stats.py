@@ -11,8 +11,10 @@ every check here returns where its statistic falls in a null distribution built 
   Under H0 "both arms are draws of one sampler" the labels are exchangeable, so this null is the
   reference sampler against itself at the same N, without another N samples to pay for.
 * :func:`bias_test`: a systematic error (a scale or an offset of the candidate against the
-  reference) as the mean of per-sample deviations, its null by random sign flips (H0: the
-  deviation of each sample is symmetric around 0, as rounding noise is).
+  reference) as the mean of per-sample deviations, its null by sign flips (H0: the deviation of
+  each sample is symmetric around 0, as rounding noise is): all 2^N of them up to
+  :data:`EXACT_SIGN_FLIPS_N` samples, ``n_perm`` random ones above. :func:`smallest_bias_p` is the
+  smallest p-value that test can give, :func:`holm` corrects p-values for the number tested.
 
 The statistics (:func:`mmd2_unbiased`, :func:`histogram_w1`, :func:`pair_mean_gap`) take a
 precomputed pooled matrix and a boolean arm mask, so a permutation costs an index, not a network
@@ -145,13 +147,30 @@ class BiasResult:
     n_perm: int
 
 
+EXACT_SIGN_FLIPS_N = 12  # up to this N the sign-flip null is all 2^N patterns (4096), exact
+
+
+def sign_flips(n: int, n_perm: int, seed: int) -> np.ndarray:
+    """(patterns, n) signs: every one of the 2^n patterns up to :data:`EXACT_SIGN_FLIPS_N`, else ``n_perm``
+    random ones."""
+    if n <= EXACT_SIGN_FLIPS_N:
+        return 1.0 - 2.0 * ((np.arange(2 ** n)[:, None] >> np.arange(n)) & 1)
+    return np.random.default_rng(seed).choice((-1.0, 1.0), size=(n_perm, n))
+
+
+def smallest_bias_p(n: int, n_perm: int) -> float:
+    """The smallest p-value :func:`bias_test` can return for ``n`` deviations: 2/2^n when the null is exact (the
+    observed signs and their mirror image are always as extreme), 1/(1 + n_perm) with random flips."""
+    return 2.0 ** (1 - n) if n <= EXACT_SIGN_FLIPS_N else 1.0 / (1 + n_perm)
+
+
 def bias_test(deviations: torch.Tensor | np.ndarray, *, n_perm: int = 2000, seed: int = 0,
               alpha: float = 0.01) -> BiasResult:
     """Is the mean of per-sample ``deviations`` (e.g. slope − 1) different from 0?
 
     Null: each deviation's sign is a fair coin (rounding noise has no preferred sign), so the
-    mean of randomly sign-flipped deviations is the null distribution (a one-sample
-    permutation test). ``detectable`` is the (1 − alpha) quantile of |mean| when the centred
+    mean of sign-flipped deviations is the null distribution (a one-sample permutation test,
+    :func:`sign_flips`). ``detectable`` is the (1 − alpha) quantile of |mean| when the centred
     deviations (the noise without the bias) are sign-flipped: a systematic error smaller than
     that cannot be told from noise at this N.
     """
@@ -159,11 +178,24 @@ def bias_test(deviations: torch.Tensor | np.ndarray, *, n_perm: int = 2000, seed
     observed = float(d.mean())
     if not math.isfinite(observed):
         return BiasResult(observed, 0.0, math.nan, n_perm)
-    signs = np.random.default_rng(seed).choice((-1.0, 1.0), size=(n_perm, len(d)))
+    signs = sign_flips(len(d), n_perm, seed)
     null = np.abs(signs @ d / len(d))
     extreme = int(np.sum(null >= abs(observed) * (1 - 1e-12)))
     noise = np.abs(signs @ (d - observed) / len(d))
-    return BiasResult(observed, (1 + extreme) / (1 + n_perm), float(np.quantile(noise, 1 - alpha)), n_perm)
+    exact = len(d) <= EXACT_SIGN_FLIPS_N  # the identity pattern is among the flips: no +1 (Phipson & Smyth)
+    p = extreme / len(signs) if exact else (1 + extreme) / (1 + n_perm)
+    return BiasResult(observed, p, float(np.quantile(noise, 1 - alpha)), len(signs))
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979), in the input's order: the k-th smallest p times
+    (m − k + 1), made monotone. Rejecting where the adjusted p < alpha keeps the chance of any false rejection
+    among the m tests at most alpha under any dependence between them, and rejects at least what Bonferroni does."""
+    m, order, running, out = len(p_values), np.argsort(p_values, kind="stable"), 0.0, [1.0] * len(p_values)
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(p_values[i])))
+        out[i] = running
+    return out
 
 
 def per_sample_fit(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

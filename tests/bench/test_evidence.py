@@ -117,7 +117,7 @@ def measured(monkeypatch):
     monkeypatch.setattr(evidence, "env_info", lambda: {"gpu": "the machine's"})
     monkeypatch.delenv(RUN_ID_ENV, raising=False)
     for kind in ("step", "command", "counters"):
-        monkeypatch.setattr(evidence.Runner, kind, lambda self, job, chosen, *rest: ran.append(job.label))
+        monkeypatch.setattr(evidence.Runner, kind, lambda self, job, chosen, *rest: ran.append(job.label) or [job])
     return ran
 
 
@@ -228,3 +228,11 @@ jobs:
     assert rows[0]["wall_s"] == rows[1]["wall_s"] != rows[2]["wall_s"], "one worker for the fp32 process"
     monkeypatch.delenv(RUN_ID_ENV)
     assert evidence.run(cfg, argv=[]) == 0 and len(read_rows(out)) == 3
+
+
+def test_a_gpu_missing_from_the_peak_table_gets_its_rows_and_one_note(tmp_path, capsys):
+    evidence.run(ladder_cfg(tmp_path, "dry_run=true", "gpu.name='NVIDIA RTX PRO 6000 Blackwell'",
+                            "gpu.capability=[12,0]", "gpu.memory_gib=95", "only=forward"))
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("note: NVIDIA RTX PRO 6000 Blackwell is not in") and sum("note:" in s for s in said) == 1
+    assert [s.split(" ~")[0] for s in said[1:4]] == [f"[todo] forward.{s}" for s in STACKS]

@@ -147,17 +147,19 @@ def test_a_gpu_preset_without_a_cuda_gpu_is_a_one_line_error(preset, tmp_path, m
 def test_a_dry_run_of_quality_training_lists_the_runs_then_the_gates_and_trains_none(tmp_path, capsys, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "out"
     cfg = ladder_cfg(out, "preset=quality_training", "dry_run=true", f"quality_training.runs={runs}")
-    assert run(cfg) == 5 and not runs.exists()  # three runs and two gates left, nothing started
+    assert run(cfg) == 13 and not runs.exists()  # seven runs and six gates left, nothing started
     listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert [line.split()[:3] for line in listed[:3]] == [["[todo]", "python", "-m"]] * 3
-    assert listed[3] == "[todo] the two gates, once the 3 runs are finished"
-    for arm in ("fp32", "fast_train", "fp32_reseed"):  # finished runs: their weights exist
-        (runs / arm / "checkpoints").mkdir(parents=True)
+    assert [line.split()[:3] for line in listed[:7]] == [["[todo]", "python", "-m"]] * 7
+    assert all("model.image_size=[32,32,32]" in line for line in listed[:7])  # the preset's size, to every run
+    assert listed[7] == "[todo] the 6 gates, once the 7 runs are finished"
+    for arm in ("fp32", "fp32_seed1", "fp32_seed2", "fp32_seed3", "fp32_seed4", "fast_train", "control"):
+        (runs / arm / "checkpoints").mkdir(parents=True)  # finished runs: their weights exist
         (runs / arm / "checkpoints" / "last.pt").write_bytes(arm.encode())
     monkeypatch.setattr(quality_training, "finished", lambda run, steps: True)
-    assert run(cfg) == 2 and not (out / "results.jsonl").exists()
+    assert run(cfg) == 6 and not (out / "results.jsonl").exists()
     listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert [line.split()[0] for line in listed] == ["[done]"] * 3 + ["[todo]"] * 2
+    assert [line.split()[0] for line in listed] == ["[done]"] * 7 + ["[todo]"] * 6
+    assert all("model.image_size=[32,32,32]" in line for line in listed[7:])  # and to every gate
 
 
 @pytest.mark.parametrize("args, pattern", [

@@ -95,9 +95,15 @@ def test_torn_line_and_missing_baselines(sweep):
 
 
 def test_bad_status_refused(tmp_path):
+    """A row with an unknown status is refused before anything is written: no file, or the file as it was."""
     with pytest.raises(ValueError, match="status"):
         append_row(tmp_path / "r.jsonl", {**row([], 1.0), "status": "great"})
-    assert not (tmp_path / "r.jsonl").exists() or json.loads("[]") == []
+    assert not (tmp_path / "r.jsonl").exists()
+    append_row(tmp_path / "r.jsonl", row([], 1.0))
+    before = (tmp_path / "r.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="status"):
+        append_row(tmp_path / "r.jsonl", {**row([], 1.0), "status": "great"})
+    assert (tmp_path / "r.jsonl").read_bytes() == before
 
 
 def test_rows_merged_from_several_runs_keep_their_commit():
@@ -225,7 +231,7 @@ def test_quality_md_lists_every_check_of_the_latest_gated_row(tmp_path):
               "kid_vs_ref": {"kind": "distribution", "status": "pass", "value": -1e-5, "p_value": 0.55,
                              "null_quantiles": {"q05": -8e-6, "q50": -4e-6, "q95": 2e-5}}}
     gated = {"verdict": "fail", "checks": checks, "n_samples": 32, "n_masks": 8, "min_detectable_eps_bias": 0.015,
-             "candidate_sampler": {"name": "probes only", "steps": None}}
+             "min_detectable_eps_noise": 0.045, "candidate_sampler": {"name": "probes only", "steps": None}}
     older = {**gated, "verdict": "pass", "checks": {"eps_noise": {"kind": "limit", "status": "pass", "value": 0}}}
     for quality in (older, gated):
         append_row(tmp_path / "results.jsonl", row(["eps_scale"], 35.0, quality=quality))
@@ -235,7 +241,7 @@ def test_quality_md_lists_every_check_of_the_latest_gated_row(tmp_path):
     assert md.count("## ") == 1 and "probes only: **fail**" in md and "eps_noise" not in md
     assert "| eps_scale_bias | bias | fail | 0.05 | 0.005 |  | 0.005 / 0.015 |" in md
     assert "| kid_vs_ref | distribution | pass | -1e-05 | 0.55 | -8e-06 / -4e-06 / 2e-05 |  |" in md
-    assert "minimum detectable eps bias 0.015" in md
+    assert "smallest eps bias failed 0.015, smallest eps noise failed 0.045" in md
 
 
 def test_no_quality_md_without_a_gated_row(sweep):

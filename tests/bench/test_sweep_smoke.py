@@ -85,8 +85,14 @@ def test_quality_gate_fills_the_row(tmp_path):
                        "sampler.steps=10", "quality.n_samples=8", "quality.n_masks=4", "recipe=[amp_bf16]"], tmp_path)
     (row,) = measure([job], tmp_path / "row.json")
     assert row["status"] == "ok", row["message"]
-    assert row["quality"]["verdict"] in ("pass", "warn"), row["quality"]
-    assert row["quality"]["metrics"]["eps_rel_l2"] > 0  # bf16 drifts from fp32: the comparison ran
+    quality = row["quality"]
+    assert quality["metrics"]["eps_rel_l2"] > 0  # bf16 drifts from fp32: the comparison ran
+    # bf16 moves one voxel of the 32 samples by about a quarter of the pass-to-warn range; every other check passes
+    statuses = {name: check["status"] for name, check in quality["checks"].items()}
+    assert {name for name, status in statuses.items() if status != "pass"} == {"x0_max_error"}, quality["reasons"]
+    assert quality["verdict"] == statuses["x0_max_error"] == "warn"
+    assert quality["reasons"] == [f"x0_max_error={quality['checks']['x0_max_error']['value']:.4g} -> warn (limits pass "
+                                  "0.1, warn 0.5)"]
 
 
 @pytest.mark.slow  # two sweeps; tests/bench/test_report.py checks the same-run matching in the default suite

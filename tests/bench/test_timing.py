@@ -6,7 +6,14 @@ import warnings
 import pytest
 import torch
 
-from bench.core.timing import active_precision, datasheet_peak_tflops, peak_fraction, summarize, time_fn
+from bench.core.timing import (
+    DATASHEET_PEAK_TFLOPS,
+    active_precision,
+    datasheet_peak_tflops,
+    peak_fraction,
+    summarize,
+    time_fn,
+)
 
 CPU = torch.device("cpu")
 
@@ -46,13 +53,34 @@ def test_summarize_rejects_empty():
         summarize([])
 
 
-def test_datasheet_peaks_and_fraction():
-    assert datasheet_peak_tflops("NVIDIA H200", "bf16") == pytest.approx(989.4)
-    assert datasheet_peak_tflops("NVIDIA H100 PCIe", "tf32") == pytest.approx(378.0)
-    assert datasheet_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == pytest.approx(19.5)
-    assert datasheet_peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None
+# (the name torch reports, precision, the datasheet's printed figure, printed "with sparsity")
+PRINTED = [("NVIDIA H100 80GB HBM3", "bf16", 1979, True), ("NVIDIA H100 PCIe", "tf32", 756, True),
+           ("NVIDIA H200", "fp16", 1979, True), ("NVIDIA H200 NVL", "bf16", 1671, True),
+           ("NVIDIA A100-SXM4-80GB", "tf32", 312, True), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5, False),
+           ("Tesla V100-PCIE-16GB", "fp16", 112, False), ("Tesla V100-SXM2-16GB", "fp16", 125, False)]
+
+
+@pytest.mark.parametrize("gpu, precision, printed, sparse", PRINTED)
+def test_each_gpu_name_finds_its_own_datasheet_row(gpu, precision, printed, sparse):
+    """The names torch reports reach their own row (first match wins: H100 PCIe before H100, H200 NVL before H200),
+    and a tensor-core figure NVIDIA prints with sparsity is halved to the dense peak."""
+    assert datasheet_peak_tflops(gpu, precision) == pytest.approx(printed / 2 if sparse else printed, abs=0.5)
+
+
+@pytest.mark.parametrize("pattern, peaks", DATASHEET_PEAK_TFLOPS)
+def test_the_peaks_keep_the_tensor_cores_ratios(pattern, peaks):
+    """Hopper and Ampere run bf16 and fp16 at one rate and tf32 at half of it, above plain fp32; V100 has no tf32 or
+    bf16 path."""
+    if peaks["tf32"] is None:
+        assert peaks["bf16"] is None and peaks["fp16"] > peaks["fp32"]
+        return
+    assert peaks["bf16"] == peaks["fp16"] and peaks["tf32"] * 2 == pytest.approx(peaks["bf16"], rel=1e-3)
+    assert peaks["fp32"] < peaks["tf32"]
+
+
+def test_peak_fraction_divides_by_the_row_s_peak():
     assert peak_fraction(98.94, "NVIDIA H200", "bf16") == pytest.approx(0.1)
-    assert peak_fraction(1.0, None, "fp32") is None
+    assert peak_fraction(1.0, None, "fp32") is None and peak_fraction(1.0, "Tesla V100-SXM2-16GB", "bf16") is None
 
 
 def test_active_precision_reads_live_switches():

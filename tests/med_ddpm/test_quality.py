@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
 from med_ddpm.quality.gate import QualityGate
@@ -134,6 +135,49 @@ def test_a_different_distribution_fails_the_permutation_tests(setup, gate):
     report = gate.run(setup[-1], shifted)
     assert report.checks["histogram_w1_vs_ref"]["status"] == "fail"
     assert report.checks["mmd_vs_ref"]["p_value"] < 0.01 and report.verdict == "fail"
+
+
+def _shifted_probes(reference, shifts):
+    """A probe-only candidate: the reference's ε at every probe plus, per timestep, a per-sample offset."""
+    eps = {t: e + shifts.get(t, torch.zeros(N)).view(N, *[1] * (e.dim() - 1)) for t, e in reference.eps_probe.items()}
+    return dataclasses.replace(reference, samples=None, eps_probe=eps)
+
+
+def test_a_significant_bias_at_any_probed_timestep_fails(setup, gate):
+    """At t = 0 a large mean offset that sign flips reach often (20 samples +0.3, 12 at -0.3: not significant); at
+    t = 2 a smaller one that every sample shares. The check fails at t = 2: judging only the timestep of the largest
+    mean would pass it."""
+    reference = setup[-1]
+    scattered = torch.tensor([0.3] * 20 + [-0.3] * 12)
+    report = gate.run(reference, _shifted_probes(reference, {0: scattered, 2: torch.full((N,), 0.02)}))
+    check = report.checks["eps_mean_bias"]
+    assert check["status"] == "fail" and check["t"] == 2 and check["value"] == pytest.approx(0.02, rel=1e-3)
+    assert check["per_t"][0]["value"] == pytest.approx(0.075, rel=1e-3) and check["per_t"][0]["p_value"] > 0.1
+    assert check["p_value"] < 0.01 and check["p_value"] == pytest.approx(4 / 1001)  # Holm: 4 probes x the smallest p
+    assert report.verdict == "fail"
+    alone = gate.run(reference, _shifted_probes(reference, {0: scattered}))
+    assert alone.checks["eps_mean_bias"]["status"] == "pass"  # the scattered offset alone is no bias
+
+
+@pytest.mark.parametrize("n, n_perm, refused", [(8, 1000, "quality.n_samples=8: .* pass quality.n_samples>=10$"),
+                                                (10, 1000, None),
+                                                (32, 200, "quality.n_perm=200: .* pass quality.n_perm>=400$"),
+                                                (32, 400, None)])
+def test_bias_checks_refuse_an_n_at_which_they_could_never_fail(n, n_perm, refused):
+    """Over 4 probed timesteps at alpha.bias 0.01, Holm's first step asks p < 0.0025: the exact sign-flip test's
+    smallest p is 2 / 2^N (0.0078 at N = 8, 0.002 at N = 10); random flips' is 1 / (1 + n_perm)."""
+    gate = QualityGate({**load_thresholds(), "n_perm": n_perm})
+    if refused is None:
+        gate.check_bias_power(n, 4)
+        return
+    with pytest.raises(ConfigError, match=refused):
+        gate.check_bias_power(n, 4)
+
+
+def test_the_smallest_detected_eps_noise_is_reported_beside_the_bias(setup, gate):
+    report = gate.run(setup[-1], probe_run(setup[0], setup[-1], "cpu"))
+    assert report.context["min_detectable_eps_noise"] == load_thresholds()["checks"]["eps_noise"]["warn"]
+    assert report.context["min_detectable_eps_bias"] == pytest.approx(0.015)
 
 
 def test_bad_threshold_config_is_rejected():

@@ -122,19 +122,26 @@ def test_multistep_rejects_out_of_order_steps(schedule, name):
 
 
 @pytest.mark.parametrize("name", ["ddpm", *FEW_STEP])
-def test_sample_loop_runs_every_sampler(schedule, name):
-    """The one loop drives every sampler: (B, 1, D, H, W) image plus mask channels."""
+def test_sample_loop_is_the_sampler_driven_step_by_step(schedule, name):
+    """The one loop calls the network on [x_t, mask] at each of the sampler's timesteps in order, and its x₀ is the
+    sampler's chain run by hand from the same x_T and step noise (float32 against float64)."""
     toy = GaussianToy(schedule, 0.2, 0.3)
+    cond = torch.rand(2, 2, 4, 4, 4, generator=torch.Generator().manual_seed(3))
+    calls = []
 
     def model(inp: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        calls.append((t.tolist(), torch.equal(inp[:, 1:], cond)))
         return toy.eps(inp[:, :1].double(), int(t[0])).float()
 
-    sampler = build_sampler(name, schedule, T if name == "ddpm" else 10)
-    cond = torch.zeros(2, 2, 4, 4, 4)
-    x0 = sample(
-        model, sampler, cond, generator=torch.Generator().manual_seed(0), progress=False, out_channels=1
-    )
-    assert x0.shape == (2, 1, 4, 4, 4) and x0.dtype == torch.float32 and torch.isfinite(x0).all()
+    steps = T if name == "ddpm" else 10
+    sampler = build_sampler(name, schedule, steps)
+    x_T = torch.randn(2, 1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(steps, 2, 1, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+    x0 = sample(model, sampler, cond, x_T=x_T, step_noise=noise, progress=False)
+    assert calls == [([t, t], True) for t in sampler.timesteps.tolist()]
+    by_hand = toy.run(build_sampler(name, schedule, steps), x_T.double(), list(noise.double()))
+    assert x0.dtype == torch.float32 and torch.allclose(x0.double(), by_hand, atol=1e-4)
+    assert not torch.allclose(x0, x_T, atol=0.1)  # the chain moved
 
 
 def test_add_noise_is_the_forward_process(schedule):

@@ -105,6 +105,19 @@ def test_bias_test_separates_a_scale_from_noise():
     assert stats.bias_test(noise, n_perm=999).p_value > 0.01
 
 
+def test_bias_test_is_exact_for_small_n_and_its_floor_is_known():
+    """Up to 12 samples the sign-flip null is all 2^N patterns: 8 deviations of one sign give p = 2/256 exactly,
+    the floor smallest_bias_p names; above 12, random flips' floor is 1 / (1 + n_perm)."""
+    result = stats.bias_test(np.full(8, 0.02) + np.arange(8) * 1e-4, n_perm=999)
+    assert result.p_value == 2 / 256 == stats.smallest_bias_p(8, 999) and result.n_perm == 256
+    assert stats.smallest_bias_p(13, 999) == 1 / 1000
+
+
+def test_holm_adjusts_in_steps_and_keeps_the_order():
+    assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert stats.holm([0.3, 0.001]) == pytest.approx([0.3, 0.002])
+
+
 def test_per_sample_fit_splits_scale_offset_and_noise():
     r = torch.randn(4, 1000, dtype=torch.float64)
     slope, mean, residual = stats.per_sample_fit(1.05 * r, r)

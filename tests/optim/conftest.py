@@ -92,15 +92,15 @@ def scaled_error(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return (a - b).abs().max().item(), b.abs().max().item()
 
 
-def assert_close(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool, tol: dict, slack: float = 0.0):
-    """Bit-equality for exact recipes; else max|a-b| <= atol + rtol * max|b| (+ slack)."""
+def assert_close(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool, tol: dict):
+    """Bit-equality for exact recipes; else max|a-b| <= atol + rtol * max|b|."""
     assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} vs baseline {tuple(b.shape)}"
     if exact:
         assert torch.equal(a.float(), b.float()), f"{name}: not bit-exact, max diff {scaled_error(a, b)[0]}"
         return
     err, scale = scaled_error(a, b)
-    bound = tol["atol"] + tol["rtol"] * scale + slack
-    assert err <= bound, f"{name}: max|diff| {err:.3g} > {bound:.3g} (atol + rtol * {scale:.3g} + {slack})"
+    bound = tol["atol"] + tol["rtol"] * scale
+    assert err <= bound, f"{name}: max|diff| {err:.3g} > {bound:.3g} (atol + rtol * {scale:.3g})"
 
 
 @pytest.fixture(scope="session")

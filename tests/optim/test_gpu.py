@@ -21,7 +21,6 @@ from conftest import RECIPE_DIR, float32_buffers, stack_of, tiny_batch, tiny_une
 from med_ddpm.model import UNet3D
 from optim import RecipeStack
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 WHOLE_HEAD = dict(in_channels=3, out_channels=1, model_channels=64, channel_mult=(1, 1, 2, 3, 4),
                   num_res_blocks=1, attention_ds=(8,), num_heads=1, dropout=0.0)
 COMBOS = [["tf32", "channels_last_3d"], ["amp_bf16", "channels_last_3d"], ["amp_bf16", "compile"],
@@ -38,9 +37,24 @@ def _sets(slow_when) -> list:
 
 
 @pytest.fixture(autouse=True)
-def _cuda() -> None:
-    if not torch.cuda.is_available():
+def _cuda(request) -> None:
+    """The default run deselects the gpu and gpu_long tests; one selected on a machine without CUDA fails rather
+    than skips (a ``pytest -m gpu`` that skipped everything would read as green)."""
+    gpu = any(request.node.get_closest_marker(mark) for mark in ("gpu", "gpu_long"))
+    if gpu and not torch.cuda.is_available():
         pytest.fail("gpu-marked test run without CUDA")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what pytest -m gpu does without CUDA")
+def test_pytest_m_gpu_without_cuda_fails_instead_of_skipping(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    test = f"{__file__}::test_compile_keeps_ndhwc_convolutions_only_with_layout_optimisation_off"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and "gpu-marked test run without CUDA" in done.stdout, done.stdout[-2000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("1 error in")  # the summary line: no skip
 
 
 @pytest.fixture(scope="module")
