@@ -1,4 +1,4 @@
-"""med_ddpm.tune end to end on a tiny network (8^3, T = 10, N = 4): the fewest passing calls, the sealed
+"""med_ddpm.tune end to end on a tiny network (8^3, T = 10, N = 10, the least at which the bias checks can fail): the fewest passing calls, the sealed
 sampler.yaml that med_ddpm.sample uses or refuses, the hold-out of the gate from the search, resuming, and the
 refusals of bad input. The gate's limits are set to make a verdict certain: ``quality.alpha.fail=0`` and
 ``warn=0`` pass every distribution check, ``alpha.fail=2`` fails them (a p-value is at most 1)."""
@@ -57,7 +57,7 @@ def compose_tune(checkpoint: str, out: Path, cache: Path, *overrides: str):
         return compose("tune", overrides=[
             f"checkpoint={checkpoint}", f"output_dir={out}", f"paths.reference_cache={cache}", "~experiment",
             "++sampler.variant=sde", "device=cpu", "progress=false", "budgets=[2,3]", "search.n=2", "gate.batch=4",
-            "quality.n_samples=4", "quality.n_masks=2", "quality.n_perm=100", *overrides])
+            "quality.n_samples=10", "quality.n_masks=2", "quality.n_perm=100", *overrides])
 
 
 def compose_sample(checkpoint: str, out: Path, *overrides: str):
@@ -100,7 +100,7 @@ def test_stops_at_the_fewest_calls_that_pass_and_sample_uses_that_grid(passed, c
     assert list(state["budgets"]) == ["2"] and record["sampler"]["timesteps"] == state["budgets"]["2"]["grid"]
     assert record["sampler"]["timesteps"][0] == 9 and record["sampler"]["variant"] == "sde"
     assert record["checkpoint"]["sha256"] == tuning.file_sha256(checkpoint) and record["torch"]
-    assert record["gate"]["statistics"]["n_samples"] == 4 and "kid_vs_ref" in record["gate"]["statistics"]["checks"]
+    assert record["gate"]["statistics"]["n_samples"] == 10 and "kid_vs_ref" in record["gate"]["statistics"]["checks"]
     assert "**2 model calls pass**" in (passed / "report.md").read_text()
     assert (passed / "calls_vs_quality.png").stat().st_size > 1000
 

@@ -12,6 +12,7 @@ instead: ``pytest -m gpu_long`` runs them in a second call.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_pytest_m_gpu_without_cuda_fails_instead_of_skipping(tmp_path) -> None:
 
     test = f"{__file__}::test_compile_keeps_ndhwc_convolutions_only_with_layout_optimisation_off"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert done.returncode == 1 and "gpu-marked test run without CUDA" in done.stdout, done.stdout[-2000:]
     assert done.stdout.strip().splitlines()[-1].startswith("1 error in")  # the summary line: no skip
 
