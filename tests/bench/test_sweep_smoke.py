@@ -2,13 +2,14 @@
 a sweep directory reused by a second launch, and what a job's row carries (measured in this process)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.core.records import read_rows
+from bench.core.records import RUN_ID_ENV, read_rows
 from bench.core.runner import compose_job
 from bench.core.worker import measure, run_job
 from bench.report import report_rows, write_report
@@ -20,7 +21,8 @@ IDENTITY = ("scenario", "model", "image_size", "batch_size", "recipes", "status"
 def sweep(tmp_path: Path, *overrides: str) -> list[dict]:
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "bench.sweep", "-m", "experiment=bench_smoke", *overrides, f"hydra.sweep.dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}  # a launch from a shell: its own run
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_rows(out)
 
