@@ -75,10 +75,12 @@ def run_quality_training(cfg: DictConfig) -> int:
     steps = check_int(cfg, "quality_training.steps", 1)
     gpus = check_int(cfg, "quality_training.gpus", 1)
     seeds = check_int(cfg, "quality_training.seeds", 1)
+    per_gpu = check_int(cfg, "quality_training.per_gpu", 1)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
     size = [] if q.image_size is None else [f"model.image_size=[{','.join(str(int(n)) for n in q.image_size)}]"]
+    slots = () if cfg.dry_run or gpus * per_gpu == 1 else [g for g in visible_gpus(gpus) for _ in range(per_gpu)]
     left = train_and_gate(Path(cfg.out), steps, list(q.control), q.experiment, Path(q.runs), budget_s,
-                          [*size, *q.overrides], visible_gpus(gpus) if gpus > 1 and not cfg.dry_run else (),
+                          [*size, *q.overrides], slots,
                           dry_run=cfg.dry_run, seeds=seeds)
     if not cfg.dry_run:
         write_training_report(Path(cfg.out))

@@ -31,7 +31,9 @@ by the same command, the runs being resumed from ``runs``):
 
 Options (``quality_training.*`` in configs/ladder.yaml): ``steps``, ``experiment``, ``seeds``, ``control``,
 ``image_size``, ``runs`` (default ``runs/quality_training``, git-ignored), ``gpus`` (N > 1 trains the arms
-concurrently, one per GPU, :func:`train_arms`) and ``overrides``, Hydra overrides: ``train.*`` go to the training
+concurrently, one per GPU, :func:`train_arms`), ``per_gpu`` (k > 1 runs k arms at once on each GPU: a 32³ run keeps an
+H100 a few percent busy, so k = 7 trains all seven in the time of the slowest, their step times then shared-GPU
+figures, not speeds) and ``overrides``, Hydra overrides: ``train.*`` go to the training
 runs, ``quality.*`` and ``bench.*`` to the gates, the rest (``model``, ``data``, ``seed``, ...) to both (a ``seed=``
 moves the reseeded runs to the seeds after it). Resumable: a run continues from its last checkpoint (``resume=auto``),
 a finished run and a row already in results.jsonl are kept.
@@ -139,22 +141,24 @@ def finished(run: Path, steps: int) -> bool:
     return last.exists() and int(read_checkpoint(last)["step"]) >= steps
 
 
-def record_start(run: Path, gpu: str | None) -> None:
+def record_start(run: Path, gpu: str | None, sharing: int = 1) -> None:
     """Append this start of the run to ``<run>/starts.json``: the commit of the code that trains (a run resumed
-    in a later call may run other code) and the GPU it was given (set: the arms trained at once, one per GPU)."""
+    in a later call may run other code), the GPU it was given (set: the arms trained at once) and how many runs
+    shared that GPU (``sharing`` > 1: its step times are not a speed)."""
     path = run / STARTS_FILE
     starts = json.loads(path.read_text()) if path.exists() else []
-    atomic_write_text(path, json.dumps([*starts, {**provenance(), "gpu": gpu,
+    atomic_write_text(path, json.dumps([*starts, {**provenance(), "gpu": gpu, "runs_per_gpu": sharing,
                                                   "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]))
 
 
-def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None, gpu: str | None = None) -> str:
+def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None, gpu: str | None = None,
+              sharing: int = 1) -> str:
     """Run (or continue) one training run unless it is finished, on ``gpu`` (a CUDA_VISIBLE_DEVICES entry) when
-    given; its status: done | cut | error."""
+    given, beside ``sharing - 1`` other runs; its status: done | cut | error."""
     if finished(run, steps):
         return "done"
     run.mkdir(parents=True, exist_ok=True)
-    record_start(run, gpu)
+    record_start(run, gpu, sharing)
     print(f"[train] {run.name}: to step {steps}{'' if gpu is None else f' on GPU {gpu}'}, log in "
           f"{run / 'train.log'}", flush=True)
     code, wall, tail = spawn(argv, run.parent / "cache", run / "train.log", timeout_s,
@@ -172,10 +176,9 @@ def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None, g
 def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s: float = math.inf,
                gpus: Sequence[str] = ()) -> dict[str, str]:
     """Each arm's status (:func:`train_arm`), the arms started in order. With several ``gpus``
-    (CUDA_VISIBLE_DEVICES entries) they run concurrently, one per GPU, a GPU taking the next arm when its run
-    ends. Each run has a GPU of its own (the CPU
-    is shared), and ``starts.json`` records which; with none given they run one after another on the default
-    device.
+    (CUDA_VISIBLE_DEVICES entries, a GPU listed k times taking k runs at once) they run concurrently, a slot taking
+    the next arm when its run ends, and ``starts.json`` records the GPU and how many runs shared it; with none
+    given they run one after another on the default device.
     An arm that fails does not stop the others (its status says so)."""
     start, free = time.monotonic(), queue.SimpleQueue()
     for gpu in gpus or [None]:
@@ -187,7 +190,8 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
             remaining = budget_s - (time.monotonic() - start)
             if remaining <= 0:
                 return "done" if finished(runs / arm, steps) else "cut"
-            return train_arm(commands[arm], runs / arm, steps, remaining if math.isfinite(remaining) else None, gpu)
+            return train_arm(commands[arm], runs / arm, steps, remaining if math.isfinite(remaining) else None, gpu,
+                             gpus.count(gpu) if gpu is not None else 1)
         finally:
             free.put(gpu)
 

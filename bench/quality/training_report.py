@@ -65,7 +65,9 @@ def arms_table(training: dict[str, Any], losses: dict[str, Any]) -> list[str]:
         t, loss = record.get("timings") or {}, losses.get(arm) or {}
         commits = sorted({_code(s) for s in record.get("starts") or []}) or ["not recorded"]
         first = f"{_num(t.get('first_step_s'), '.1f')} ({t.get('compile_cache', '')})" if t else ""
-        lines.append(f"| {arm_label(arm)} | {_num(t.get('ms_per_step'), '.1f')} | {t.get('steady_steps', '')} | {first} | "
+        sharing = max((s.get("runs_per_gpu") or 1 for s in record.get("starts") or []), default=1)
+        shared = f" ({sharing} runs per GPU)" if sharing > 1 else ""
+        lines.append(f"| {arm_label(arm)} | {_num(t.get('ms_per_step'), '.1f')}{shared} | {t.get('steady_steps', '')} | {first} | "
                      f"{_num(t.get('data_wait_pct'), '.2f')} | {_num(loss.get('tail_mean_loss'), '.4f')} | "
                      f"{_num(loss.get('val_loss'), '.5f')} | {', '.join(commits)} |")
     return lines

@@ -132,9 +132,9 @@ def _fake_arms(monkeypatch, fail=(), together=0):
     calls, active, lock = [], [], threading.Lock()
     barrier = threading.Barrier(together, timeout=20) if together else None
 
-    def fake(argv, run, steps, timeout_s, gpu=None):
+    def fake(argv, run, steps, timeout_s, gpu=None, sharing=1):
         with lock:
-            calls.append((run.name, gpu, gpu in active))
+            calls.append((run.name, gpu, gpu in active, sharing))
             active.append(gpu)
         if barrier is not None and run.name in ("fp32", "fast_train"):
             barrier.wait()
@@ -151,16 +151,23 @@ def test_on_two_gpus_two_arms_train_at_once_each_on_its_own_gpu(monkeypatch, tmp
     calls = _fake_arms(monkeypatch, together=2)  # a serial schedule breaks the barrier: BrokenBarrierError
     statuses = train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4, gpus=["2", "5"])
     assert statuses == {"fp32": "done", "fast_train": "done", "fp32_reseed": "done"}
-    gpus = {arm: gpu for arm, gpu, _ in calls}
+    gpus = {arm: gpu for arm, gpu, *_ in calls}
     assert {gpus["fp32"], gpus["fast_train"]} == {"2", "5"} and gpus["fp32_reseed"] in ("2", "5")
-    assert not any(clash for *_, clash in calls)  # never two runs on one GPU
+    assert not any(clash for _, _, clash, _ in calls)  # never two runs on one GPU
+
+
+def test_a_gpu_listed_twice_trains_two_arms_at_once_and_says_it_was_shared(monkeypatch, tmp_path):
+    calls = _fake_arms(monkeypatch, together=2)  # a serial schedule breaks the barrier: BrokenBarrierError
+    statuses = train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4, gpus=["0", "0"])
+    assert set(statuses.values()) == {"done"}
+    assert any(clash for _, _, clash, _ in calls) and {sharing for *_, sharing in calls} == {2}
 
 
 def test_without_gpus_the_arms_run_in_turn_and_a_failed_arm_does_not_stop_the_others(monkeypatch, tmp_path):
     calls = _fake_arms(monkeypatch, fail=("fast_train",))
     statuses = train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4)
     assert statuses == {"fp32": "done", "fast_train": "error", "fp32_reseed": "done"}
-    assert calls == [("fp32", None, False), ("fast_train", None, False), ("fp32_reseed", None, False)]
+    assert calls == [("fp32", None, False, 1), ("fast_train", None, False, 1), ("fp32_reseed", None, False, 1)]
 
 
 def test_each_run_s_loss_tail_is_the_mean_of_its_last_quarter():

@@ -18,6 +18,7 @@ def folder(tmp_path, verdict_sha=SHA, **verdict):
                "data_wait_pct": 0.02}
     arms = {"fp32": {"timings": timings, "starts": [{"git_sha": SHA, "dirty": False}, {"git_sha": "f" * 40}]},
             "fast_train": {"timings": {**timings, "ms_per_step": 31.915, "compile_cache": "cold"}, "starts": None},
+            "control": {"timings": timings, "starts": [{"git_sha": SHA, "gpu": "0", "runs_per_gpu": 7}]},
             "fp32_seed1": {"timings": None, "starts": []}}
     summary = {"fp32": {"tail_mean_loss": 0.07188, "val_loss": 0.081234}, "fast_train": {"tail_mean_loss": 0.06942}}
     (tmp_path / "training.json").write_text(json.dumps({"arms": arms, "git_sha": SHA, "dirty": True}))
@@ -42,6 +43,7 @@ def test_the_page_holds_every_arm_the_verdict_its_bands_and_each_writer_s_commit
             "`0123456789ab`, `ffffffffffff` |" in page)  # a run resumed by other code names both commits
     assert "| experiment=fast_train's stack | 31.9 | 997 | 2.0 (cold) | 0.02 | 0.0694 |  | not recorded |" in page
     assert "| strict FP32, seed + 1 |  |  |  |  |  |  | not recorded |" in page
+    assert "| the control: strict FP32 with quality_training.control | 447.0 (7 runs per GPU) | 997 |" in page
     assert ("**pass**: within the band of FP32 retraining on every check. The gate alone, each model against FP32's: "
             "fast_train: fail; control: fail.") in page
     assert "| control | the control: strict FP32 with quality_training.control | fail | fail | beyond |" in page
