@@ -12,34 +12,29 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
-import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from med_ddpm import cli
-from med_ddpm.checkpoint import Loaded, load_checkpoint
+from med_ddpm.checkpoint import load_checkpoint
 from med_ddpm.config_checks import (
     ConfigError,
-    DataError,
     check_checkpoint_options,
     check_int,
     check_int_value,
 )
-from med_ddpm.data.datasets import build_dataset
-from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.sample import sampling_geometry
 from med_ddpm.samplers.search import (
-    Batch,
-    denoised_distances,
+    describe_data,
     interval_costs,
     log_snr_weights,
     sampler_snippet,
     search,
+    search_geometry,
+    stack_distances,
     table,
 )
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device, seed_everything
@@ -59,54 +54,6 @@ def check_options(cfg: DictConfig) -> list[int]:
         raise ConfigError(f"name={cfg.name!r}: must be a file stem; pass name=ays_mymodel")
     steps = cfg.steps if OmegaConf.is_list(cfg.steps) else [cfg.steps]
     return [check_int_value("steps", k, 1) for k in steps]
-
-
-def search_geometry(cfg: DictConfig, loaded: Loaded) -> list[int]:
-    """The (D, H, W) to search at, after checking that the data are of the checkpoint's variant."""
-    variant, size, _ = sampling_geometry(loaded, cfg)  # the same size rule as sampling
-    data_variant = cfg.data.get("variant", cfg.data.name)
-    if data_variant != variant:
-        fix = f"data.variant={variant}" if cfg.data.name == "synthetic" else f"data={variant} data.root=DATA"
-        raise ConfigError(f"data: {data_variant} volumes, but {cfg.checkpoint} is a {variant} network; pass {fix}")
-    if size is None:
-        raise ConfigError(f"image_size: not set, and {cfg.checkpoint} (an original Med-DDPM checkpoint) records no "
-                          "training size; pass image_size=[D,H,W], e.g. image_size=[128,128,128]")
-    return size
-
-
-def describe_data(data: DictConfig) -> str:
-    if data.name == "synthetic":
-        return f"synthetic {data.variant} phantoms (seed {data.seed})"
-    return f"{data.name} volumes of {data.root}"
-
-
-def data_batches(cfg: DictConfig, size: Sequence[int], stack: RecipeStack, device: torch.device) -> Iterable[Batch]:
-    """The first ``n`` volumes of the data, ``batch`` at a time, on the device in the recipes' layout."""
-    dataset = build_dataset(cfg.data, size)
-    if len(dataset) < cfg.n:
-        more = "data.num_volumes=N" if cfg.data.name == "synthetic" else "a data.root with more cases"
-        raise DataError(f"n={cfg.n}: {describe_data(cfg.data)} hold {len(dataset)} volume(s); pass n={len(dataset)} "
-                        f"or {more}")
-    for start in range(0, cfg.n, cfg.batch):
-        items = [dataset[i] for i in range(start, min(start + cfg.batch, cfg.n))]
-        x0, cond = (torch.stack([item[key] for item in items]).to(device) for key in ("image", "cond"))
-        yield stack.prepare_input(x0), stack.prepare_input(cond)
-
-
-def stack_distances(cfg: DictConfig, model: torch.nn.Module, schedule: NoiseSchedule, size: Sequence[int],
-                    stack: RecipeStack, device: torch.device) -> np.ndarray:
-    """M of ``model`` (prepared by the recipe stack, in place) on the first ``cfg.n`` volumes of ``cfg.data``,
-    ``cfg.batch`` at a time, with the ε of noise seed ``cfg.seed``."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    with stack.session():
-        prepared = stack.prepare_model(model.to(device).eval())
-
-        def denoiser(inputs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            with stack.forward_context():
-                return prepared(inputs, t)
-
-        return denoised_distances(denoiser, schedule.to(device), data_batches(cfg, size, stack, device), generator,
-                                  progress=cfg.progress)
 
 
 def run(cfg: DictConfig, steps: Sequence[int]) -> dict[int, dict[str, object]]:

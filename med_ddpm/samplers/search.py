@@ -20,7 +20,7 @@ the user's own scans with ``data=whole_head data.root=DATA`` (the bound is an ex
 sampler will meet, so a model trained on real heads should be searched on real heads). x̂₀ is clipped to
 [−1, 1] as the samplers do, and each forward runs inside the ``recipe`` stack.
 
-The command that runs it on a checkpoint and data: :mod:`med_ddpm.step_search`.
+The commands that run it on a checkpoint and data: :mod:`med_ddpm.step_search`, :mod:`med_ddpm.tune`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from tqdm import tqdm
 
+from med_ddpm.checkpoint import Loaded
+from med_ddpm.config_checks import ConfigError, DataError
+from med_ddpm.data.datasets import build_dataset
+from med_ddpm.data.masks import sampling_geometry
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.samplers.base import SPACINGS, make_timesteps
+from optim import RecipeStack
 
 Model = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x0, cond), on the model's device and in its layout
@@ -137,3 +143,51 @@ def table(result: dict[int, dict[str, object]]) -> str:
         lines.append(f"| {k} | {r['bound']:.4g} | {r['spacings']['trailing']:.4g} | {r['spacings']['quadratic']:.4g} "
                      f"| {r['grid']} |")
     return "\n".join(lines) + "\n"
+
+
+def search_geometry(cfg: DictConfig, loaded: Loaded) -> list[int]:
+    """The (D, H, W) to search at, after checking that the data are of the checkpoint's variant."""
+    variant, size, _ = sampling_geometry(loaded, cfg)  # the same size rule as sampling
+    data_variant = cfg.data.get("variant", cfg.data.name)
+    if data_variant != variant:
+        fix = f"data.variant={variant}" if cfg.data.name == "synthetic" else f"data={variant} data.root=DATA"
+        raise ConfigError(f"data: {data_variant} volumes, but {cfg.checkpoint} is a {variant} network; pass {fix}")
+    if size is None:
+        raise ConfigError(f"image_size: not set, and {cfg.checkpoint} (an original Med-DDPM checkpoint) records no "
+                          "training size; pass image_size=[D,H,W], e.g. image_size=[128,128,128]")
+    return size
+
+
+def describe_data(data: DictConfig) -> str:
+    if data.name == "synthetic":
+        return f"synthetic {data.variant} phantoms (seed {data.seed})"
+    return f"{data.name} volumes of {data.root}"
+
+
+def data_batches(cfg: DictConfig, size: Sequence[int], stack: RecipeStack, device: torch.device) -> Iterable[Batch]:
+    """The first ``n`` volumes of the data, ``batch`` at a time, on the device in the recipes' layout."""
+    dataset = build_dataset(cfg.data, size)
+    if len(dataset) < cfg.n:
+        more = "data.num_volumes=N" if cfg.data.name == "synthetic" else "a data.root with more cases"
+        raise DataError(f"n={cfg.n}: {describe_data(cfg.data)} hold {len(dataset)} volume(s); pass n={len(dataset)} "
+                        f"or {more}")
+    for start in range(0, cfg.n, cfg.batch):
+        items = [dataset[i] for i in range(start, min(start + cfg.batch, cfg.n))]
+        x0, cond = (torch.stack([item[key] for item in items]).to(device) for key in ("image", "cond"))
+        yield stack.prepare_input(x0), stack.prepare_input(cond)
+
+
+def stack_distances(cfg: DictConfig, model: torch.nn.Module, schedule: NoiseSchedule, size: Sequence[int],
+                    stack: RecipeStack, device: torch.device) -> np.ndarray:
+    """M of ``model`` (prepared by the recipe stack, in place) on the first ``cfg.n`` volumes of ``cfg.data``,
+    ``cfg.batch`` at a time, with the ε of noise seed ``cfg.seed``."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    with stack.session():
+        prepared = stack.prepare_model(model.to(device).eval())
+
+        def denoiser(inputs: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            with stack.forward_context():
+                return prepared(inputs, t)
+
+        return denoised_distances(denoiser, schedule.to(device), data_batches(cfg, size, stack, device), generator,
+                                  progress=cfg.progress)

@@ -54,6 +54,7 @@ from med_ddpm.config_checks import (
 )
 from med_ddpm.data.datasets import build_dataset, load_condition, read_volume
 from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.data.masks import list_masks
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.quality.gate import QualityGate, TrajectoryRun
 from med_ddpm.quality.probe import (
@@ -65,11 +66,17 @@ from med_ddpm.quality.probe import (
     reference_file,
     run_trajectory,
 )
-from med_ddpm.sample import list_masks
 from med_ddpm.samplers import DDPMSampler, make_timesteps, sampler_from_config
-from med_ddpm.samplers.search import interval_costs, kl_bound, log_snr_weights, optimal_grid
+from med_ddpm.samplers.search import (
+    describe_data,
+    interval_costs,
+    kl_bound,
+    log_snr_weights,
+    optimal_grid,
+    search_geometry,
+    stack_distances,
+)
 from med_ddpm.samplers.tuned import file_sha256, write_tuned
-from med_ddpm.step_search import describe_data, search_geometry, stack_distances
 from med_ddpm.utils import atomic_write, atomic_write_text, json_safe, resolve_device, save_figure
 from optim import RecipeStack
 
@@ -218,7 +225,7 @@ def cond_hash(cond: torch.Tensor) -> str:
 
 
 def search_view(cfg: DictConfig) -> DictConfig:
-    """The options :func:`med_ddpm.step_search.stack_distances` reads, from the ``search`` node; the data uncached,
+    """The options :func:`med_ddpm.samplers.search.stack_distances` reads, from the ``search`` node; the data uncached,
     so that only the ``search.n`` volumes the search uses are read."""
     data = OmegaConf.merge(cfg.data, {"cache": "none"})
     return OmegaConf.create({"data": data, "n": cfg.search.n, "batch": cfg.search.batch, "seed": cfg.search.seed,

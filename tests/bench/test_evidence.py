@@ -185,7 +185,7 @@ def test_make_bench_runs_the_evidence_preset_then_its_report():
 
 def test_the_commands_inputs_are_a_phantom_and_a_checkpoint_the_sampling_command_loads(tmp_path):
     from med_ddpm.checkpoint import load_checkpoint
-    from med_ddpm.sample import sampling_geometry
+    from med_ddpm.data.masks import sampling_geometry
 
     data = evidence.write_phantom_data(tmp_path / "data", model="tiny")
     checkpoint = evidence.write_random_checkpoint(tmp_path / "ckpt.pt", model="tiny")

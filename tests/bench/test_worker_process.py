@@ -15,9 +15,9 @@ from bench.core import scenarios, worker
 from bench.core.runner import compose_job
 from med_ddpm import cli, train
 from med_ddpm.checkpoint import load_checkpoint, save_checkpoint
+from med_ddpm.data.masks import sampling_geometry
 from med_ddpm.model import build_model
 from med_ddpm.sample import compile_cache as sample_cache
-from med_ddpm.sample import sampling_geometry
 from optim import RecipeStack
 
 pytestmark = pytest.mark.filterwarnings("ignore:noisy timing")
