@@ -7,7 +7,7 @@ processes (``python -m med_ddpm.train``), batch 4 x grad_accum 1 in every run (`
 * ``<experiment>``: ``experiment``'s recipe stack (default ``fast_train``; the stack and the options it sets on its
   recipes are read from its config, :func:`bench.core.runner.experiment_stack`), the reference's config otherwise: the
   same seed, so the same initial weights, data order and every (t, ε) draw;
-* ``control``: strict FP32 with ``control``'s overrides (default 4x the learning rate), a training a user could
+* ``control``: strict FP32 with ``control``'s overrides (default a tenth of the learning rate), a training a user could
   get wrong, on the reference's seed: the verdict must fail it;
 * ``fp32_seed1`` .. ``fp32_seed<k>`` (``seeds``, default 4): strict FP32 on the next k seeds. Two trainings differ
   even on one stack (nondeterministic cuDNN weight gradients, chaotic SGD), so these are the draws of what

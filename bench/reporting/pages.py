@@ -78,14 +78,14 @@ def verdict(run: Run, gates: Gates, job: str) -> Verdict:
 
 def time_cell(run: Run, gates: Gates, job: str) -> str:
     """A README cell: ``job``'s time (``once`` when a single call was timed), its time per volume when a call has
-    several, and its verdict's word; its status when it has no ``ok`` row."""
+    several, and its verdict's word (a training verdict's with its band); its status when it has no ``ok`` row."""
     row = run.ok(job)
     if row is None:
         return run.status(job)
     parts = [fmt_ms(run.ms(job)) + (" once" if row.get("iters") == 1 else "") + run.variant(job)]
     if int(row.get("batch_size") or 1) > 1:
         parts.append(f"{fmt_ms(run.ms_per_volume(job))} a volume")
-    return ", ".join([*parts, verdict(run, gates, job).word])
+    return ", ".join([*parts, verdict(run, gates, job).brief])
 
 
 def e2e_cell(run: Run, job: str) -> str:

@@ -41,12 +41,18 @@ Stack = tuple[tuple[str, ...], frozenset[str]]  # recipes in order, options
 
 @dataclass(frozen=True)
 class Verdict:
-    """A verdict's word (``pass``, ``warn``, ``fail``, ``reference``, ``not gated``), what it rests on, and the file
-    it was read from."""
+    """A verdict's word (``pass``, ``warn``, ``fail``, ``reference``, ``not gated``), what it rests on, the file
+    it was read from and, for a training verdict, its deciding number against its band (short enough for a cell)."""
 
     word: str
     detail: str = ""
     source: Path | None = None
+    band: str = ""
+
+    @property
+    def brief(self) -> str:
+        """The word with its band: what a README cell shows."""
+        return f"{self.word} ({self.band})" if self.band else self.word
 
     def text(self, page_dir: Path) -> str:
         """The word, its detail and a link to its file relative to a page in ``page_dir``."""
@@ -100,6 +106,15 @@ def gate_notes(row: dict[str, Any]) -> list[str]:
     return notes
 
 
+def val_loss_band(verdict: dict[str, Any]) -> str:
+    """The trained stack's validation loss against the band of strict-FP32 retraining (mean ± sd), or ""."""
+    check = (verdict.get("checks") or {}).get("val_loss") or {}
+    band = check.get("band") or {}
+    if not isinstance(check.get("value"), (int, float)) or "mean" not in band:
+        return ""
+    return f"val. loss {check['value']:.3g}, band {band['mean']:.3g} ± {band['sd']:.2g}"
+
+
 def gate_verdict(row: dict[str, Any], where: Path) -> Verdict:
     """A gated row's verdict, with its notes (:func:`gate_notes`), its run and the file it is in."""
     notes = [*gate_notes(row), f"gate run {row.get('run_id')}"]
@@ -124,7 +139,8 @@ class Gates:
         for path in sorted(quality.rglob(VERDICT_FILE)):
             verdict, arms = json.loads(path.read_text()), path.parent / TRAINING_FILE
             arms = json.loads(arms.read_text())["arms"] if arms.exists() else {}
-            found = Verdict(str(verdict["verdict"]), f"trained: {verdict.get('why', '')}".rstrip(": "), path)
+            found = Verdict(str(verdict["verdict"]), f"trained: {verdict.get('why', '')}".rstrip(": "), path,
+                            val_loss_band(verdict))
             trained += [(arm_stack(arm.get("argv") or []), found) for arm in arms.values()]
         return cls(rows, [(stack, v) for stack, v in trained if stack[0]])
 

@@ -87,6 +87,14 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
             assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
+def test_the_readme_s_train_step_cell_shows_the_training_verdict_with_its_band(evidence_repo):
+    publish(folders(evidence_repo), evidence_repo / "docs" / "results", evidence_repo / "README.md", "h200")
+    cell = "pass (val. loss 0.0616, band 0.0557 ± 0.0025)"
+    train_step = next(line for line in (evidence_repo / "README.md").read_text().splitlines()
+                      if line.startswith("| `train_step` |"))
+    assert train_step.split(" | ")[3].endswith(cell)  # the shipped stack's cell
+
+
 def test_a_missing_headline_row_is_refused_in_one_line_naming_it(evidence_repo):
     h100 = folders(evidence_repo)[0]
     write_rows(h100, [r for r in rows(h100) if r["job_name"] not in ("forward.shipped", "ddpm250.torch_defaults")])
