@@ -16,7 +16,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
-TORCH_THREADS = torch.get_num_threads()  # torch's own choice (the CPU's cores, or $OMP_NUM_THREADS)
+# torch's own choice (the CPU's cores, or $OMP_NUM_THREADS), kept in the environment for pytest-xdist's workers,
+# which start with the OMP_NUM_THREADS=1 set below
+TORCH_THREADS = int(os.environ.setdefault("TESTS_TORCH_THREADS", str(torch.get_num_threads())))
 os.environ["OMP_NUM_THREADS"] = "1"  # the commands the tests start read it when torch loads
 torch.set_num_threads(1)
 
