@@ -87,6 +87,7 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
             assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
+@pytest.mark.e2e
 def test_a_missing_headline_row_is_refused_in_one_line_naming_it(evidence_repo):
     h100 = folders(evidence_repo)[0]
     write_rows(h100, [r for r in rows(h100) if r["job_name"] not in ("forward.shipped", "ddpm250.torch_defaults")])

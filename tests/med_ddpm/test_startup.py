@@ -8,7 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e  # each test starts an interpreter of its own
 HEAVY = ("monai", "matplotlib", "scipy.signal", "scipy.stats")  # MONAI imports all of these with itself
 
 
