@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) + the project (editable, dev extras)
 
-test: $(STAMP) ## run the fast CPU test suite (gpu/slow/e2e deselected); fails if no test runs
+test: $(STAMP) ## run the fast CPU test suite (gpu/slow/e2e deselected, a worker per core); fails if no test runs
 	$(BIN)/python -m pytest -q
 
 test-e2e: $(STAMP) ## run the tests that start commands of their own, end to end (CI's second step)
