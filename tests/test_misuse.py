@@ -6,7 +6,8 @@ need a file, a directory or a fault set up first are the test functions here.
 A user error ends in exit status 2 and ONE stderr line ``error: <thing>: <problem>; <fix>``
 (med_ddpm.cli); nothing runs with a silently changed value. Most rows compose the real config
 and call the real entry function in-process (fast); the rows at the end run real subprocesses
-to prove the single stderr line and the exit status end to end (marked ``e2e``: ``make test-e2e``, CI's second step). Rows are grouped by command:
+to prove the single stderr line and the exit status end to end (marked ``e2e``: ``make test-e2e``,
+CI's second step). Rows are grouped by command:
 ``med_ddpm.train``, ``med_ddpm.sample``, ``med_ddpm.tune``, ``bench.sweep``, ``med_ddpm.evaluate``, ``bench.precision_attribution``,
 ``bench.floor``, ``bench.micro``.
 """

@@ -22,7 +22,7 @@ from med_ddpm.samplers import sampler_from_config
 from med_ddpm.samplers.search import sampler_snippet
 
 
-def jobs(tmp_path, config_dir=CONFIG_DIR) -> list[list[str]]:
+def jobs(tmp_path, config_dir: Path) -> list[list[str]]:
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose("ladder", overrides=[f"out={tmp_path}", "preset=samplers",
                                            f"checkpoint={tmp_path / 'quality_model.pt'}"])
@@ -34,7 +34,8 @@ def searched_grid(tmp_path, monkeypatch) -> Path:
     """A copy of configs/ under ``tmp_path`` with a step_search output in its sampler/, which the ladder and its
     jobs read in place of configs/ (a test writes only under its own folder: the suite runs on parallel workers)."""
     configs = shutil.copytree(CONFIG_DIR, tmp_path / "configs")
-    (configs / "sampler" / "ays_ladder_test_4.yaml").write_text(sampler_snippet([249, 120, 30, 2], 2, "a test", 1.0, 2.0))
+    grid = sampler_snippet([249, 120, 30, 2], 2, "a test", 1.0, 2.0)
+    (configs / "sampler" / "ays_ladder_test_4.yaml").write_text(grid)
     for module in (cli, presets, worker):
         monkeypatch.setattr(module, "CONFIG_DIR", configs)
     return configs
