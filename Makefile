@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) + the project (editable, dev extras)
 
-test: $(STAMP) ## run the fast CPU test suite (gpu/slow deselected); fails if no test runs
+test: $(STAMP) ## run the fast CPU test suite (gpu/slow/e2e deselected, a worker per core); fails if no test runs
 	$(BIN)/python -m pytest -q
+
+test-e2e: $(STAMP) ## run the tests that start commands of their own, end to end (CI's second step)
+	$(BIN)/python -m pytest -q -m e2e
 
 test-gpu: $(STAMP) ## run the GPU tests that fit one 10-minute device call (on a CUDA machine)
 	$(BIN)/python -m pytest -q -m gpu
@@ -76,4 +79,4 @@ report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=.
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache
 
-.PHONY: help install test test-gpu test-gpu-long test-slow lint demo bench-smoke stamp bench profile counters report clean
+.PHONY: help install test test-e2e test-gpu test-gpu-long test-slow lint demo bench-smoke stamp bench profile counters report clean

@@ -40,6 +40,7 @@ def test_all_lists_exactly_the_api_and_every_sampler():
     assert set(med_ddpm.__all__) <= set(dir(med_ddpm))
 
 
+@pytest.mark.e2e
 def test_from_import_and_attribute_access_in_a_fresh_interpreter():
     code = ("import med_ddpm; med_ddpm.load_checkpoint; "
             "from med_ddpm import UNet3D, NoiseSchedule, DDPMSampler, generate, distributed; "

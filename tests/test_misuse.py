@@ -6,7 +6,8 @@ need a file, a directory or a fault set up first are the test functions here.
 A user error ends in exit status 2 and ONE stderr line ``error: <thing>: <problem>; <fix>``
 (med_ddpm.cli); nothing runs with a silently changed value. Most rows compose the real config
 and call the real entry function in-process (fast); the rows at the end run real subprocesses
-to prove the single stderr line and the exit status end to end. Rows are grouped by command:
+to prove the single stderr line and the exit status end to end (marked ``e2e``: ``make test-e2e``,
+CI's second step). Rows are grouped by command:
 ``med_ddpm.train``, ``med_ddpm.sample``, ``med_ddpm.tune``, ``bench.sweep``, ``med_ddpm.evaluate``, ``bench.precision_attribution``,
 ``bench.floor``, ``bench.micro``.
 """
@@ -308,6 +309,7 @@ def run_cli(module: str, *args: str, cwd: Path, env: dict | None = None) -> subp
                           timeout=180)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("module, args, pattern", [
     ("med_ddpm.train", ["sampler=ddim", "sampler.steps=0"], r"^error: sampler\.steps=0: must be in \[1, 250\]"),
     ("med_ddpm.train", ["recipe=[tf23]"], r"^error: recipe=tf23: no configs/recipe/tf23\.yaml; valid names: amp_bf16"),
@@ -331,6 +333,7 @@ def test_cli_prints_one_line_and_exits_2(module, args, pattern, tmp_path):
     assert not (cwd / "outputs").exists()  # nothing of the run lands in the working directory
 
 
+@pytest.mark.e2e
 def test_output_dir_naming_a_file_is_one_line_before_anything_runs(tmp_path):
     """Hydra makes the run's folder before the command starts: a file in its place is named, exit 2."""
     (tmp_path / "taken").write_text("a file")
@@ -407,6 +410,7 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.e2e
 def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
     """Ctrl-C during training: exit status 130 and ``interrupted``, not a KeyboardInterrupt traceback."""
     run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"

@@ -36,7 +36,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from med_ddpm.quality.stats import holm
 
@@ -70,6 +69,9 @@ def check(value: float, draws: Mapping[str, float], alpha: float, two_sided: boo
         return {**out, "problem": f"{k} draws" + ("" if finite else ", one not a number")}
     if values.std(ddof=1) == 0:
         return {**out, "problem": "no spread between the draws"}
+    # imported here: scipy.stats takes a second to import, and every bench.ladder run imports this module
+    from scipy import stats
+
     mean, sd = float(values.mean()), float(values.std(ddof=1))
     scale = sd * math.sqrt(1 + 1 / k)
     quantile = float(stats.t.ppf(1 - alpha / (2 if two_sided else 1), k - 1))

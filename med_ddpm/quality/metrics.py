@@ -18,6 +18,10 @@ Two families of paired metrics:
 
 :func:`frechet_distance` is FID's distance between feature sets. The set comparisons with their
 permutation nulls (KID, MMD, histogram W1, diversity gap) are in :mod:`med_ddpm.quality.stats`.
+
+MONAI is imported where a metric is built or computed: ``import monai`` takes seconds (it imports scipy and
+matplotlib), and the commands that import the quality gate without computing a metric (``bench.report``,
+``bench.sweep``, ``bench.ladder``) start without it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
-from monai.metrics import MAEMetric, MultiScaleSSIMMetric, PSNRMetric, SSIMMetric
 
 DATA_RANGE = 2.0  # Med-DDPM volumes live in [-1, 1]
 # Wang, Simoncelli & Bovik 2003, Table 1: the 5-scale MS-SSIM exponents.
@@ -177,6 +180,8 @@ class PSNR(_PerSampleMetric):
     base_name, higher_is_better, supports_mask = "psnr", True, True
 
     def __init__(self, data_range: float = DATA_RANGE, region: str | None = None, cond_layout: str = "whole_head"):
+        from monai.metrics import PSNRMetric
+
         self.data_range = data_range
         self._monai = PSNRMetric(max_val=data_range, reduction="none")
         super().__init__(region, cond_layout)
@@ -195,6 +200,8 @@ class MAE(_PerSampleMetric):
 
     def _per_sample(self, pred, target, mask):
         if mask is None:
+            from monai.metrics import MAEMetric
+
             return MAEMetric(reduction="none")(pred, target).view(-1)
         return _masked_mean((pred - target).abs(), mask)
 
@@ -224,6 +231,8 @@ class SSIM(_PerSampleMetric):
 
     def __init__(self, data_range: float = DATA_RANGE, data_min: float = -1.0, kernel_size: int = 7,
                  kernel_sigma: float = 1.5):
+        from monai.metrics import SSIMMetric
+
         self.data_min = data_min
         self._monai = SSIMMetric(spatial_dims=3, data_range=data_range, win_size=kernel_size,
                                  kernel_sigma=kernel_sigma, reduction="none")
@@ -250,6 +259,8 @@ class MSSSIM(_PerSampleMetric):
         super().__init__()
 
     def _per_sample(self, pred, target, mask):
+        from monai.metrics import MultiScaleSSIMMetric
+
         weights = self.weights or ms_ssim_weights(pred.shape[2:], self.kernel_size)
         monai = MultiScaleSSIMMetric(spatial_dims=3, data_range=self.data_range, kernel_size=self.kernel_size,
                                      kernel_sigma=self.kernel_sigma, weights=weights, reduction="none")

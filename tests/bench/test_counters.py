@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import os
@@ -61,10 +62,17 @@ else:  # ok, no_kernels
 """
 
 
-def job(*overrides: str) -> dict:
+@functools.cache
+def _composed(overrides: tuple[str, ...]) -> dict:
+    """One composition per setting and worker: a dozen tests read the default's, and a composition takes 0.1 s."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name="counters", overrides=["experiment=bench_smoke", "output_dir=/tmp/x", *overrides])
     return job_spec(cfg, "tiny")
+
+
+def job(*overrides: str) -> dict:
+    """The counters job of ``overrides``, a copy each test may change."""
+    return copy.deepcopy(_composed(overrides))
 
 
 @pytest.fixture

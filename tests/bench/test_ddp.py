@@ -56,6 +56,7 @@ def test_rows_record_recipe_options_and_baselines_match_them(tmp_path):
     assert baseline_volumes_per_s(tmp_path / "results.jsonl", guarded) == (None, None)
 
 
+@pytest.mark.e2e
 def test_a_bad_option_is_one_line_before_any_rank_builds(tmp_path):
     """The training command's checks run first: a size the U-Net cannot take is one line and exit 2, not a
     traceback per rank and an error row each."""

@@ -178,6 +178,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.e2e
 def test_a_timed_out_command_is_killed_with_its_workers(tmp_path):
     """spawn's timeout kills the command's whole process group: a worker it started does not outlive it."""
     (tmp_path / "sleeper.py").write_text(

@@ -160,6 +160,7 @@ def test_a_rerun_continues_the_run_of_this_commit_and_a_new_commit_starts_its_ow
     assert "forward.strict_fp32" in measured
 
 
+@pytest.mark.e2e
 def test_the_command_lists_the_jobs_on_a_cpu(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=evidence", f"out={tmp_path}", "dry_run=true"],
                           cwd=CONFIG_DIR.parent, capture_output=True, text=True, timeout=120)

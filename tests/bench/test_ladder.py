@@ -73,6 +73,7 @@ def test_quality_preset_gates_the_shipped_sampling_experiment_and_its_bf16_varia
         ladder_jobs(ladder_cfg(tmp_path, "preset=quality"))
 
 
+@pytest.mark.e2e
 def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "bench.ladder", "preset=smoke", f"out={tmp_path}", "dry_run=true",
                              "best=[amp_bf16]"], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -3,13 +3,18 @@ restart sampling at 25 model calls."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from bench.core import presets, worker
 from bench.core.runner import compose_job
 from bench.core.worker import base_row
 from bench.ladder import ladder_jobs
+from med_ddpm import cli
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.diffusion import NoiseSchedule
@@ -17,24 +22,27 @@ from med_ddpm.samplers import sampler_from_config
 from med_ddpm.samplers.search import sampler_snippet
 
 
-def jobs(tmp_path) -> list[list[str]]:
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+def jobs(tmp_path, config_dir: Path) -> list[list[str]]:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose("ladder", overrides=[f"out={tmp_path}", "preset=samplers",
                                            f"checkpoint={tmp_path / 'quality_model.pt'}"])
     return ladder_jobs(cfg)
 
 
 @pytest.fixture
-def searched_grid():
-    """A step_search output in configs/sampler/, removed afterwards."""
-    path = CONFIG_DIR / "sampler" / "ays_ladder_test_4.yaml"
-    path.write_text(sampler_snippet([249, 120, 30, 2], 2, "a test", 1.0, 2.0))
-    yield path
-    path.unlink()
+def searched_grid(tmp_path, monkeypatch) -> Path:
+    """A copy of configs/ under ``tmp_path`` with a step_search output in its sampler/, which the ladder and its
+    jobs read in place of configs/ (a test writes only under its own folder: the suite runs on parallel workers)."""
+    configs = shutil.copytree(CONFIG_DIR, tmp_path / "configs")
+    grid = sampler_snippet([249, 120, 30, 2], 2, "a test", 1.0, 2.0)
+    (configs / "sampler" / "ays_ladder_test_4.yaml").write_text(grid)
+    for module in (cli, presets, worker):
+        monkeypatch.setattr(module, "CONFIG_DIR", configs)
+    return configs
 
 
 def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(tmp_path, searched_grid):
-    composed = [compose_job(job, tmp_path / str(n)) for n, job in enumerate(jobs(tmp_path))]
+    composed = [compose_job(job, tmp_path / str(n)) for n, job in enumerate(jobs(tmp_path, searched_grid))]
     configs = [c["config"] for c in composed]
     assert all(c["bench"]["quality"] and c["bench"]["scenario"] == "full_sample" and c["bench"]["batch_size"] == 32
                for c in configs)
@@ -47,7 +55,7 @@ def test_samplers_preset_gates_2m_3m_the_searched_grids_restarts_and_sa_solver(t
     assert samplers[-1]["steps"] == 100
     assert samplers[0]["steps"] == 25  # the issue's budget first
     searched = [s for s in samplers if s["timesteps"] is not None]
-    files = sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml"))  # the committed grids and the test's
+    files = sorted((searched_grid / "sampler").glob("ays_*.yaml"))  # the committed grids and the test's
     assert [(s["steps"], list(s["timesteps"])) for s in searched] == [
         (len(t := OmegaConf.load(f).timesteps), list(t)) for f in files]
     assert (4, [249, 120, 30, 2]) in [(s["steps"], list(s["timesteps"])) for s in searched]

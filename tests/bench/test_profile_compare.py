@@ -43,6 +43,7 @@ def _origin(run: str, sha: str, gpu: str) -> dict:
     return {"run_id": run, "git_sha": sha * 40, "dirty": False, "env": {"device": "cuda", "gpu": gpu}}
 
 
+@pytest.mark.e2e
 def test_same_stack_at_two_commits_gets_named_columns_and_the_change(tmp_path) -> None:
     a = _profile(tmp_path / "a.json", "amp_bf16+compile", 12.0, **_origin("run-1", "a", "NVIDIA H200"))
     b = _profile(tmp_path / "b.json", "amp_bf16+compile", 9.5, note="corrected after the run",
@@ -86,7 +87,7 @@ def test_committed_profiles_without_provenance_say_it_was_not_recorded(tmp_path)
 
 @pytest.mark.parametrize("value", [
     pytest.param("{a: PROFILE}", marks=pytest.mark.slow),  # its message: test_bad_input_names_the_file, in-process
-    "[PROFILE,PROFILE]"])
+    pytest.param("[PROFILE,PROFILE]", marks=pytest.mark.e2e)])
 def test_one_entry_or_a_list_is_one_line_naming_the_option(tmp_path, value) -> None:
     """One NAME: PROFILE entry, or a list without names, ends in one line and exit 2, not a traceback."""
     good = _profile(tmp_path / "a.json", "fp32", 1.0)

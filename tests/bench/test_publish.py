@@ -95,6 +95,7 @@ def test_the_readme_s_train_step_cell_shows_the_training_verdict_with_its_band(e
     assert train_step.split(" | ")[3].endswith(cell)  # the shipped stack's cell
 
 
+@pytest.mark.e2e
 def test_a_missing_headline_row_is_refused_in_one_line_naming_it(evidence_repo):
     h100 = folders(evidence_repo)[0]
     write_rows(h100, [r for r in rows(h100) if r["job_name"] not in ("forward.shipped", "ddpm250.torch_defaults")])

@@ -161,6 +161,7 @@ def test_append_row_stamps_run_id_and_provenance(tmp_path, monkeypatch):
     assert records.run_id() == first != "run-x" and records.new_run() != first
 
 
+@pytest.mark.e2e
 def test_commands_started_inside_a_run_keep_its_id(tmp_path, monkeypatch):
     """A shell script of several commands (one device call) exports one id: each command's launch keeps it, where a
     command started without one gets its own."""
@@ -302,6 +303,7 @@ def run_report(*args, cwd):
                           text=True, timeout=180)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arg, line", [
     (None, "error: dir: has no value; pass dir=<a sweep folder holding results.jsonl>"),
     ("results.jsonl", "error: dir={d}/results.jsonl: is a file, not a folder; pass dir=<a sweep folder holding "

@@ -42,6 +42,7 @@ def wait_for(condition, timeout_s: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_bench_stops_the_command_it_started(tmp_path, stop):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO, start_new_session=True)

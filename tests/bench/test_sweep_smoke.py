@@ -37,6 +37,7 @@ def smoke(tmp_path_factory):
     return sweep(tmp_path_factory.mktemp("smoke"), "recipe=[amp_bf16]", "bench.inject=oom")
 
 
+@pytest.mark.e2e
 def test_smoke_sweep_rows_oom_and_added_baseline(smoke):
     assert [(r["recipes"], r["status"]) for r in smoke] == [(["amp_bf16"], "oom"), ([], "ok")]
     oom, base = smoke

@@ -8,7 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e  # each test starts an interpreter of its own
 HEAVY = ("monai", "matplotlib", "scipy.signal", "scipy.stats")  # MONAI imports all of these with itself
 
 
@@ -19,9 +22,11 @@ def python(code: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_importing_the_clis_leaves_monai_and_its_scipy_and_matplotlib_out(tmp_path):
+    """Training, sampling and the bench commands that only read results or run other commands start in a second
+    or two less without them."""
     done = python(f"""
         import sys
-        import med_ddpm.sample, med_ddpm.train
+        import med_ddpm.sample, med_ddpm.train, bench.ladder, bench.report, bench.sweep
         print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})))
     """, tmp_path)
     assert done.returncode == 0, done.stderr

@@ -46,6 +46,7 @@ def _cuda(request) -> None:
         pytest.fail("gpu-marked test run without CUDA")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what pytest -m gpu does without CUDA")
 def test_pytest_m_gpu_without_cuda_fails_instead_of_skipping(tmp_path) -> None:
     import subprocess
