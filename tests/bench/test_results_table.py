@@ -62,6 +62,22 @@ def cell_mismatches(where: str, cell: str, candidates: list[float]) -> list[str]
     return bad + ([f"{where}: a number without a unit: {rest!r}"] if re.search(r"\d", rest) else [])
 
 
+BAND = re.compile(r"\(val\. loss (\S+), band (\S+) ± (\S+)\)")  # a training verdict's band (its own figures)
+
+
+def band_mismatches(where: str, cell: str, rows_file: Path) -> tuple[list[str], str]:
+    """A training verdict's band in ``cell`` checked against the training verdicts beside the rows (value, mean and
+    sd as printed: 3, 3 and 2 significant digits); the cell without it."""
+    found = BAND.search(cell)
+    if found is None:
+        return [], cell
+    bands = [((v.get("checks") or {}).get("val_loss") or {}) for v in
+             (json.loads(p.read_text()) for p in rows_file.parent.glob("quality/**/training_verdict.json"))]
+    printed = [(f"{c['value']:.3g}", f"{c['band']['mean']:.3g}", f"{c['band']['sd']:.2g}") for c in bands if c]
+    bad = [] if found.groups() in printed else [f"{where}: {found[0]} is no training verdict beside {rows_file}"]
+    return bad, BAND.sub("", cell)
+
+
 def time_candidates(row: dict | None) -> list[float]:
     if not row or row.get("status") != "ok":
         return []
@@ -105,14 +121,15 @@ def table_mismatches(readme: Path) -> list[str] | None:
                     name = re.search(r"`([^`]+)`", part)
                     bad += cell_mismatches(where, part, figures_of(jobs.get(name[1])) if name else [])
             else:
-                bad += cell_mismatches(where, cell, time_candidates(jobs.get(f"{workload}.{column}")))
+                banded, cell = band_mismatches(where, cell, rows_file)
+                bad += banded + cell_mismatches(where, cell, time_candidates(jobs.get(f"{workload}.{column}")))
     return bad
 
 
-def published(repo: Path) -> Path:
+def published(repo: Path, readme_gpu: str = "h100") -> Path:
     """The fixture's two GPU folders published in ``repo``; its README."""
     folders = [repo / "bench" / "results" / gpu for gpu in ("h100", "h200")]
-    publish(folders, repo / "docs" / "results", repo / "README.md", "h100")
+    publish(folders, repo / "docs" / "results", repo / "README.md", readme_gpu)
     return repo / "README.md"
 
 
@@ -138,6 +155,15 @@ def test_the_check_passes_a_generated_table_and_fails_a_changed_number(evidence_
     readme.write_text(text.replace("synth1", "synth9", 1))
     assert table_mismatches(readme) == [f"{evidence_repo}/bench/results/h100/results.jsonl holds no row of run "
                                         "20260101T000000Z-synth9"]
+
+
+def test_a_training_verdict_s_band_is_checked_against_its_verdict_file(evidence_repo):
+    readme = published(evidence_repo, "h200")  # the fixture's H200 has a training verdict
+    text = readme.read_text()
+    assert "(val. loss 0.0616, band 0.0557 ± 0.0025)" in text and table_mismatches(readme) == []
+    for old, new in (("0.0616,", "0.0615,"), ("band 0.0557", "band 0.0558"), ("± 0.0025", "± 0.0035")):
+        readme.write_text(text.replace(old, new, 1))
+        assert table_mismatches(readme), f"{old} -> {new} went unnoticed"
 
 
 def test_a_readme_without_a_table_is_told_apart(tmp_path):
