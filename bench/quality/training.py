@@ -183,6 +183,7 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
     start, free = time.monotonic(), queue.SimpleQueue()
     for gpu in gpus or [None]:
         free.put(gpu)
+    to_train = sum(not finished(runs / arm, steps) for arm in commands)  # at most these share a GPU
 
     def one(arm: str) -> str:
         gpu = free.get()
@@ -191,7 +192,7 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
             if remaining <= 0:
                 return "done" if finished(runs / arm, steps) else "cut"
             return train_arm(commands[arm], runs / arm, steps, remaining if math.isfinite(remaining) else None, gpu,
-                             gpus.count(gpu) if gpu is not None else 1)
+                             min(gpus.count(gpu), to_train) if gpu is not None else 1)
         finally:
             free.put(gpu)
 

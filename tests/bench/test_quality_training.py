@@ -161,6 +161,10 @@ def test_a_gpu_listed_twice_trains_two_arms_at_once_and_says_it_was_shared(monke
     statuses = train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4, gpus=["0", "0"])
     assert set(statuses.values()) == {"done"}
     assert any(clash for _, _, clash, _ in calls) and {sharing for *_, sharing in calls} == {2}
+    monkeypatch.setattr(quality_training, "finished", lambda run, steps: run.name != "fp32_reseed")
+    calls.clear()  # two arms finished: the third trains alone
+    train_arms({"fp32": [], "fast_train": [], "fp32_reseed": []}, tmp_path, 4, gpus=["0", "0"])
+    assert {name: sharing for name, _, _, sharing in calls}["fp32_reseed"] == 1
 
 
 def test_without_gpus_the_arms_run_in_turn_and_a_failed_arm_does_not_stop_the_others(monkeypatch, tmp_path):
