@@ -249,7 +249,7 @@ def test_tiny_runs_train_gate_and_the_control_fails_while_a_fresh_seed_passes(tm
     """Tiny model on the CPU, 100 steps each, quality_model's own stack (amp_bf16; fast_train's compiles for CUDA):
     the whole preset through the ladder command. A tenth of the learning rate leaves the tiny model far behind in 100
     steps (its validation loss far above the five FP32 runs'): the control fails; the last FP32 seed, judged
-    against the other three, passes, and so does the stack. Tens of minutes on a busy CPU."""
+    against the other three, passes, and so does the stack. About three minutes on a 2-core CPU."""
     out, runs = tmp_path / "out", tmp_path / "runs"
     args = [f"quality_training.runs={runs}", "quality_training.steps=100", "quality_training.image_size=null",
             "quality_training.experiment=quality_model",
