@@ -9,6 +9,7 @@ the subprocess worker (:mod:`bench.core.worker`) measures; each row is appended 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -133,9 +134,9 @@ def experiment_stack(experiment: str, swap: Mapping[str, str] | None = None) -> 
     """``experiment``'s recipe stack (read from its config, the one source), each recipe named in ``swap`` replaced
     by its value: the stack as ``recipe=[...]`` plus every option the experiment sets on the recipes it keeps."""
     swap = swap or {}
-    shipped = _recipes_of([f"experiment={experiment}"])
+    shipped = _recipes_of((f"experiment={experiment}",))
     names = tuple(swap.get(name, name) for name in shipped)
-    plain = _recipes_of([recipe_override(names)])
+    plain = _recipes_of((recipe_override(names),))
     options = [f"recipe.{name}.{key}={value}" for name in shipped if name not in swap
                for key, value in shipped[name].items() if plain[name].get(key) != value]
     return [recipe_override(names), *options]
@@ -164,9 +165,17 @@ def picked(jobs: list[Job], only: str, preset: str) -> list[Job]:
     return chosen
 
 
-def _recipes_of(overrides: list[str]) -> DictConfig:
+def _recipes_of(overrides: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The recipe node ``overrides`` compose to (a copy): each preset job resolves stacks through it, and the configs
+    do not change while a process runs, so each set of overrides is composed once per configs folder."""
+    return copy.deepcopy(_composed_recipes(str(cli.CONFIG_DIR), overrides))
+
+
+@functools.lru_cache(maxsize=256)
+def _composed_recipes(config_dir: str, overrides: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     with cli.configs():
-        return compose("bench", overrides=[*overrides, "output_dir=."]).recipe
+        recipe = compose("bench", overrides=[*overrides, "output_dir=."]).get("recipe")
+    return OmegaConf.to_container(recipe, resolve=True) if recipe is not None else {}
 
 
 def compose_job(overrides: Job, job_dir: Path) -> dict[str, Any]:
