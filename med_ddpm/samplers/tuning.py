@@ -389,8 +389,8 @@ def seconds_per_volume(t: Tuning, cond: torch.Tensor) -> float:
 
 
 def plan(t: Tuning, searched: bool, referenced: bool, per_volume_s: float) -> str:
-    """What is left to run, in volume-forwards, and the time its forwards would take in strict FP32: a floor, since
-    the samplers' own work, recording the reference and the stack's compile come on top."""
+    """What is left to run, in volume-forwards, and the time it would take in strict FP32: a bound on a GPU of its
+    own (the stack's forwards are faster); a GPU shared with other work takes longer."""
     n = t.cfg.quality.n_samples
     left = [k for k in t.budgets if str(k) not in t.state["budgets"]]
     parts = {"search": 0 if searched else t.cfg.search.n * t.T, "reference": 0 if referenced else n * t.T,
@@ -398,8 +398,8 @@ def plan(t: Tuning, searched: bool, referenced: bool, per_volume_s: float) -> st
     total = sum(parts.values()) * per_volume_s
     listed = ", ".join(f"{name} {count}" for name, count in parts.items())
     return (f"plan: {listed} volume-forwards (budgets {left or 'all done'}); a strict-FP32 forward takes "
-            f"{per_volume_s:.3g} s per volume here: {total / 60:.1f} min of forwards, plus the samplers' own work, "
-            "recording the reference and the stack's compile")
+            f"{per_volume_s:.3g} s per volume here, so at most {total / 60:.1f} min on a GPU of its own (the stack's "
+            "forwards are faster; its first call compiles)")
 
 
 # ----------------------------------------------------------------------------------------------------- the run
