@@ -1,7 +1,7 @@
 """``preset=evidence``: every row of one GPU's evidence, one run id, one commit, resumable (``make bench``).
 
 The jobs are data, ``configs/ladder/preset/evidence.yaml``: each names its rows (``job_name``) and is a step-worker
-job (``overrides``, :mod:`bench.worker`), a real command from process start (``e2e``, :mod:`bench.e2e`) or an Nsight
+job (``overrides``, :mod:`bench.worker`), a real command from process start (``e2e``, :mod:`bench.core.e2e`) or an Nsight
 Compute job (``counters``, :mod:`bench.counters`). Every row lands in ``<out>/results.jsonl``.
 
 - **One run.** A results folder whose evidence rows were written by this commit is continued under their run id, so
@@ -41,8 +41,7 @@ import torch
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bench import e2e
-from bench.core import presets
+from bench.core import e2e, presets
 from bench.core.gpu_fit import Fit, Gpu, fit
 from bench.core.presets import PRESET_DIR
 from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, provenance, read_rows

@@ -18,7 +18,7 @@ The presets are config files, ``configs/ladder/preset/<name>.yaml`` (:mod:`bench
 of jobs, a name and Hydra overrides of ``configs/bench.yaml`` each, composed with Hydra's compose API and measured by
 the same subprocess worker as ``bench.sweep``. A job that times an experiment's stack names the experiment
 (``experiment=fast_train``), so the stack has one source: its config. :data:`COMMAND_PRESETS` run otherwise:
-``e2e`` (the real commands in fresh processes, :mod:`bench.e2e`), ``quality_training`` (:mod:`bench.quality.training`)
+``e2e`` (the real commands in fresh processes, :mod:`bench.core.e2e`), ``quality_training`` (:mod:`bench.quality.training`)
 and ``evidence`` (every kind of job, one run, :mod:`bench.evidence`).
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
@@ -40,9 +40,9 @@ from omegaconf import DictConfig
 
 from bench import evidence
 from bench.core import presets
+from bench.core.e2e import run as run_commands
 from bench.core.runner import Job, picked, run_ladder
 from bench.core.subprocesses import stopped_together
-from bench.e2e import run as run_commands
 from bench.quality.training import run as train_and_gate
 from bench.quality.training import visible_gpus
 from bench.quality.training_report import write_training_report
@@ -51,7 +51,7 @@ from med_ddpm.config_checks import ConfigError, check_int, check_number
 
 
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
-    """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.e2e.run` takes them."""
+    """The ``e2e:`` block of configs/ladder.yaml and the shared keys, as :func:`bench.core.e2e.run` takes them."""
     if not cfg.e2e.data_root and not cfg.dry_run:  # a dry run lists the jobs and reads no data
         raise ConfigError("e2e.data_root: not set, and preset=e2e trains and samples on real files; pass "
                           "e2e.data_root=DIR (a whole-head DATA folder with image/ and mask/) and e2e.checkpoint=PATH")
@@ -128,7 +128,7 @@ def require_gpu(preset: str) -> None:
 def run(cfg: DictConfig) -> int:
     """Run the ladder ``cfg`` (configs/ladder.yaml) describes; return the jobs left.
 
-    ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.e2e`), not the step worker."""
+    ``preset=e2e`` runs the real CLIs from process start (:mod:`bench.core.e2e`), not the step worker."""
     check_preset(cfg.preset)
     if cfg.budget_s is not None:
         check_number(cfg, "budget_s", 0.0)

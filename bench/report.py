@@ -28,7 +28,7 @@ A line of results.jsonl that is no JSON row is skipped and named in a note at th
 quality.md (when the gate ran): for the latest gated row of each job, every check of the gate with its
 status, value, p-value, null quantiles (distribution checks) or limits, and the gate's minimum detectable
 eps bias, so a verdict can be read back to the check that decided it.
-e2e.md (a ``preset=e2e`` folder: the real commands' rows, :mod:`bench.e2e`; report.md then points to it).
+e2e.md (a ``preset=e2e`` folder: the real commands' rows, :mod:`bench.core.e2e`; report.md then points to it).
 training.md (a ``preset=quality_training`` folder): the arms, the training verdict and its checks
 (:mod:`bench.quality.training_report`).
 PNGs (headline rows; no speed-up plots for strict-FP32 rows alone): speed-up per stack, speed-up vs the
@@ -51,6 +51,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from bench.core.e2e import write_page as write_e2e_page
 from bench.core.records import (
     UNKNOWN,
     baseline_key,
@@ -60,7 +61,6 @@ from bench.core.records import (
     read_results,
     recipe_label,
 )
-from bench.e2e import write_page as write_e2e_page
 from bench.quality.training_report import write_training_report
 from bench.reporting.evidence import env_summary
 from bench.reporting.pages import from_config as publish_from_config

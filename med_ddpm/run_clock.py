@@ -1,6 +1,6 @@
 """Where a command's wall time went, written to ``<output_dir>/timings.json`` (atomically) at its end.
 
-``med_ddpm.train`` and ``med_ddpm.sample`` record the split a user (and ``bench.e2e``) needs to see
+``med_ddpm.train`` and ``med_ddpm.sample`` record the split a user (and ``bench.core.e2e``) needs to see
 why a run took as long as it did: process start to the first useful work (imports, CUDA init, data and
 checkpoint loading), the first step or volume (compilation, cuDNN autotuning, CUDA-graph capture), the
 steady state and, for sampling, writing. Times are seconds from this process's start, read from

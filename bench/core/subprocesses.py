@@ -1,6 +1,6 @@
 """Commands that bench runs in a process group of their own, and that stop when bench is stopped.
 
-``bench.e2e`` (the real CLIs, the training arms) and ``bench.core.ncu`` (ncu and the program it profiles) start each
+``bench.core.e2e`` (the real CLIs, the training arms) and ``bench.core.ncu`` (ncu and the program it profiles) start each
 command in a new session, so that a timeout kills the command together with every worker it started (data
 loaders, inductor's compile workers, the profiled program). A new session also takes the command out of
 bench's own process group, so neither Ctrl-C at the terminal nor an outer ``timeout`` (which signals its whole

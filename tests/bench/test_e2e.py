@@ -1,4 +1,4 @@
-"""bench.e2e: its jobs compose as the user's commands, the timing split is arithmetic on timings.json, and
+"""bench.core.e2e: its jobs compose as the user's commands, the timing split is arithmetic on timings.json, and
 (slow) the real CLIs run end to end on a CPU."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from bench.core import presets
-from bench.core.records import read_rows
-from bench.e2e import (
+from bench.core.e2e import (
     command,
     import_seconds,
     report,
@@ -24,6 +23,7 @@ from bench.e2e import (
     train_split,
     workload,
 )
+from bench.core.records import read_rows
 from bench.ladder import e2e_args
 from med_ddpm.config_checks import ConfigError
 

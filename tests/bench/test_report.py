@@ -321,7 +321,7 @@ def test_a_bad_dir_is_one_line_and_creates_nothing(arg, line, sweep):
 
 def test_a_folder_of_end_to_end_rows_gets_their_page_not_empty_step_tables(tmp_path):
     """bench.report on a preset=e2e folder: the rows have no step times, so report.md points to e2e.md, which it
-    writes from the same rows as bench.e2e does; a folder of both keeps the step tables too."""
+    writes from the same rows as bench.core.e2e does; a folder of both keeps the step tables too."""
     e2e = {**row(["amp_fp16"], None), "scenario": "e2e_sample", "e2e": "scenario=e2e_sample masks=4 compile_cache=warm",
            "total_s": 46.9, "compile_cache": "warm"}
     append_row(tmp_path / "results.jsonl", e2e)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# bench.e2e.spawn from a worker thread while the main thread waits, under stopped_together (as bench.ladder runs)
+# bench.core.e2e.spawn from a worker thread while the main thread waits, under stopped_together (as bench.ladder runs)
 PARENT = """
 import sys, threading
 from pathlib import Path
-from bench.e2e import spawn
+from bench.core.e2e import spawn
 from bench.core.subprocesses import stopped_together
 tmp = Path(sys.argv[1])
 child = "import os, time; open({!r}, 'w').write(str(os.getpid())); time.sleep(120)".format(str(tmp / "child.pid"))

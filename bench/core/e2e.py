@@ -80,7 +80,7 @@ def split_job(job: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """(the job's own keys, the command's Hydra overrides)."""
     own = {k: v for k, _, v in (s.partition("=") for s in job) if k in JOB_KEYS}
     if own.get("scenario") not in SCENARIOS or own.get("compile_cache") not in ("cold", "warm"):
-        raise SystemExit(f"bench.e2e: job {list(job)} needs scenario={'|'.join(SCENARIOS)} and compile_cache=cold|warm")
+        raise SystemExit(f"bench.core.e2e: job {list(job)} needs scenario={'|'.join(SCENARIOS)} and compile_cache=cold|warm")
     return own, [s for s in job if s.partition("=")[0] not in JOB_KEYS]
 
 
@@ -88,7 +88,7 @@ def cycled_masks(source: Path, count: int, folder: Path) -> Path:
     """``folder`` with ``count`` masks, links to the files of ``source`` in turn (mask_000.nii.gz, ...)."""
     files = sorted(p for p in source.iterdir() if p.name.endswith((".nii.gz", ".nii")))
     if not files:
-        raise ConfigError(f"bench.e2e: {source} has no .nii/.nii.gz masks (set e2e.masks_dir=DIR)")
+        raise ConfigError(f"bench.core.e2e: {source} has no .nii/.nii.gz masks (set e2e.masks_dir=DIR)")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     for i in range(count):
