@@ -153,10 +153,8 @@ def record_start(run: Path, gpu: str | None, sharing: int = 1) -> None:
 
 def train_arm(argv: list[str], run: Path, steps: int, timeout_s: float | None, gpu: str | None = None,
               sharing: int = 1) -> str:
-    """Run (or continue) one training run unless it is finished, on ``gpu`` (a CUDA_VISIBLE_DEVICES entry) when
-    given, beside ``sharing - 1`` other runs; its status: done | cut | error."""
-    if finished(run, steps):
-        return "done"
+    """Run (or continue) one unfinished training run, on ``gpu`` (a CUDA_VISIBLE_DEVICES entry) when given, beside
+    ``sharing - 1`` other runs; its status: done | cut | error."""
     run.mkdir(parents=True, exist_ok=True)
     record_start(run, gpu, sharing)
     print(f"[train] {run.name}: to step {steps}{'' if gpu is None else f' on GPU {gpu}'}, log in "
@@ -183,16 +181,18 @@ def train_arms(commands: dict[str, list[str]], runs: Path, steps: int, budget_s:
     start, free = time.monotonic(), queue.SimpleQueue()
     for gpu in gpus or [None]:
         free.put(gpu)
-    to_train = sum(not finished(runs / arm, steps) for arm in commands)  # at most these share a GPU
+    to_train = {arm for arm in commands if not finished(runs / arm, steps)}  # at most these share a GPU
 
     def one(arm: str) -> str:
+        if arm not in to_train:
+            return "done"
         gpu = free.get()
         try:
             remaining = budget_s - (time.monotonic() - start)
             if remaining <= 0:
-                return "done" if finished(runs / arm, steps) else "cut"
+                return "cut"
             return train_arm(commands[arm], runs / arm, steps, remaining if math.isfinite(remaining) else None, gpu,
-                             min(gpus.count(gpu), to_train) if gpu is not None else 1)
+                             min(gpus.count(gpu), len(to_train)) if gpu is not None else 1)
         finally:
             free.put(gpu)
 
