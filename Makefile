@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) + the project (editable, dev extras)
 
+# A pytest-xdist worker per core here only: the gpu and slow tests share one card or time kernels, and the device
+# machine's pytest has no xdist.
 test: $(STAMP) ## run the fast CPU test suite (gpu/slow/e2e deselected, a worker per core); fails if no test runs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 test-e2e: $(STAMP) ## run the tests that start commands of their own, end to end (CI's second step)
 	$(BIN)/python -m pytest -q -m e2e

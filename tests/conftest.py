@@ -8,7 +8,6 @@ threads, 0.2 s on one); on an idle box the test-sized tensors gain little from a
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,6 @@ SHARED = REPO.parent / "shared"
 TORCH_THREADS = int(os.environ.setdefault("TESTS_TORCH_THREADS", str(torch.get_num_threads())))
 os.environ["OMP_NUM_THREADS"] = "1"  # the commands the tests start read it when torch loads
 torch.set_num_threads(1)
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto`` (pyproject's addopts): one process for a run that selects gpu, gpu_long or slow tests (they share
-    one card, time kernels, or hold timeouts sized for a run of their own); None leaves the rest pytest-xdist's
-    worker per core."""
-    if re.search(r"(?<!not )\b(gpu|gpu_long|slow)\b", config.option.markexpr or ""):
-        return 0
-    return None
 
 
 @pytest.fixture(scope="session")
