@@ -25,13 +25,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install torch (CPU wheel on CPU machines) + the project (editable, dev extras)
 
-# A pytest-xdist worker per core here only: the gpu and slow tests share one card or time kernels, and the device
-# machine's pytest has no xdist.
+# A pytest-xdist worker per core in test and test-e2e only: the gpu and slow tests share one card or time kernels,
+# and the device machine's pytest has no xdist.
 test: $(STAMP) ## run the fast CPU test suite (gpu/slow/e2e deselected, a worker per core); fails if no test runs
 	$(BIN)/python -m pytest -q -n auto
 
 test-e2e: $(STAMP) ## run the tests that start commands of their own, end to end (CI's second step)
-	$(BIN)/python -m pytest -q -m e2e
+	$(BIN)/python -m pytest -q -n auto -m e2e
 
 test-gpu: $(STAMP) ## run the GPU tests that fit one 10-minute device call (on a CUDA machine)
 	$(BIN)/python -m pytest -q -m gpu
