@@ -228,6 +228,13 @@ def kernel_regex(c: Mapping[str, Any]) -> str | None:
     return (c.get("kernel_filters") or {}).get(value, value) if value else None
 
 
+def chosen_metrics(c: Mapping[str, Any]) -> dict[str, str | None]:
+    """``counters.metrics`` with the fields ``counters.fields`` leaves out set to null (not collected): fewer
+    metrics, fewer replay passes of every kernel."""
+    keep = c.get("fields")
+    return {field: metric if keep is None or field in keep else None for field, metric in c["metrics"].items()}
+
+
 def check_options(c: Mapping[str, Any]) -> None:
     """Bad ``counters.*`` values end the command with one line that names the option (SystemExit)."""
     regex = kernel_regex(c)
@@ -237,6 +244,9 @@ def check_options(c: Mapping[str, Any]) -> None:
         raise ConfigError(f"counters.kernel_filter={c['kernel_filter']}: not a regular expression ({err}); pass a "
                           f"regex on kernel names or one of {', '.join(c.get('kernel_filters') or {}) or 'none'}") from None
     unknown = sorted(set(c["metrics"]) - set(FIELDS))
+    if c.get("fields") is not None and (not_metrics := sorted(set(c["fields"]) - set(c["metrics"]))):
+        raise ConfigError(f"counters.fields: {not_metrics[0]} is not a field of counters.metrics; use some of "
+                          f"{', '.join(c['metrics'])}")
     if unknown:
         raise ConfigError(f"configs/counters.yaml: counters.metrics.{unknown[0]} is not a field this tool aggregates; "
                          f"use one of {', '.join(FIELDS)}")
@@ -286,7 +296,7 @@ def collect(job: dict[str, Any], out: Path, ncu_path: str, timeout_s: float) -> 
     name = file_slug(job)
     job_path, report = out / f"{name}.job.json", out / f"{name}.ncu-rep"
     atomic_write_text(job_path, json.dumps(job, default=str))
-    metrics = [m for m in c["metrics"].values() if m] + [STALL_METRIC.format(r) for r in c["stalls"]]
+    metrics = [m for m in chosen_metrics(c).values() if m] + [STALL_METRIC.format(r) for r in c["stalls"]]
     cmd = ncu.profile_command(ncu_path, metrics, report, [sys.executable, "-m", "bench.counters", STEP_FLAG,
                                                           str(job_path)],
                               nvtx_range=c["range"], sections=c["sections"] if c["rules"] else (),
@@ -309,7 +319,7 @@ def read_report(ncu_path: str, report: Path, c: Mapping[str, Any], timeout_s: fl
     writes the kernel table beside it and deletes the report unless ``counters.keep_report``."""
     keep = c["keep_report"]
     raw, _units = ncu.parse_raw(page(ncu_path, report, "raw", timeout_s, keep))
-    launches = [launch_values(x, c["metrics"], c["stalls"]) for x in raw]
+    launches = [launch_values(x, chosen_metrics(c), c["stalls"]) for x in raw]
     if not launches:
         return {"status": "error", "message": f"no kernel launch inside NVTX range {c['range']!r} was profiled "
                 f"(kernel_filter={c['kernel_filter']}); see {report.stem}.ncu.log"}

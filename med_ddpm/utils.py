@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import importlib.metadata
 import io
 import math
 import os
@@ -119,6 +121,16 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def _version(package: str) -> str | None:
+    """An installed package's version from its metadata: MONAI's own import takes seconds, and a worker that
+    records the version does not otherwise import it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
 def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(
@@ -136,18 +148,12 @@ def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
     """Everything a timing needs next to it to be comparable: GPU, driver, CUDA, cuDNN, versions, host.
 
     The commit is not here: :func:`bench.core.records.append_row` stamps every row with it (``git_sha``, ``dirty``)."""
-    try:
-        import monai
-
-        monai_version = monai.__version__
-    except ImportError:  # pragma: no cover - monai is a runtime dependency
-        monai_version = None
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "monai": monai_version,
+        "monai": _version("monai"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cpu_threads": torch.get_num_threads(),

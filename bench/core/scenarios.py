@@ -51,7 +51,7 @@ from med_ddpm.compile_cache import CompileCache, sample_workload, train_workload
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.quality.probe import randomize_zero_init
-from med_ddpm.samplers import sample, sampler_from_config
+from med_ddpm.samplers import model_input, sample, sampler_from_config
 from med_ddpm.train import new_ema, train_step
 from med_ddpm.train_state import TrainState
 from med_ddpm.utils import seed_everything
@@ -121,11 +121,12 @@ def _train_step(parts: Parts, cfg: Mapping) -> Step:
 
 
 def _denoise_step(parts: Parts, cfg: Mapping) -> Step:
-    """One ε-network forward on cat[x_t, cond] at a mid-chain timestep, under no_grad."""
+    """One ε-network forward on cat[x_t, cond] at a mid-chain timestep, under no_grad: the input built as
+    :func:`~med_ddpm.samplers.sample` builds it, so a compiled stack runs (and loads) the sampler's graph."""
     parts.model.eval()
     t = torch.full((parts.x0.shape[0],), parts.schedule.num_train_timesteps // 2, device=parts.x0.device,
                    dtype=torch.long)
-    x_in = parts.stack.prepare_input(torch.cat([parts.x0, parts.cond], dim=1))
+    x_in = model_input(parts.x0, parts.stack.prepare_input(parts.cond))
 
     def step() -> torch.Tensor:
         with torch.no_grad(), parts.stack.forward_context():

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.data.phantoms import SyntheticPhantoms
+from med_ddpm.samplers import model_input
 
 # Phantoms of experiment=quality_model come from seed 0; data=held_out_phantoms (med_ddpm.step_search's default
 # data) names the seed of those it never trains on.
@@ -37,6 +38,6 @@ def validation_loss(model, schedule, images: torch.Tensor, conds: torch.Tensor, 
         for i in range(0, len(images), 8):
             part = slice(i, i + 8)
             x_t = schedule.add_noise(images[part].to(device), eps[part].to(device), t[part].to(device))
-            pred = model(torch.cat([x_t, conds[part].to(device)], 1), t[part].to(device))
+            pred = model(model_input(x_t, conds[part].to(device)), t[part].to(device))
             squared += float((pred.float() - eps[part].to(device)).square().sum())
     return squared / (draws * images.numel())

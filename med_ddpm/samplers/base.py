@@ -273,6 +273,13 @@ def check_options(name: str, sampler_class: type[Sampler], options: Mapping[str,
                          f"{'it' if len(unknown) == 1 else 'them'} with {' '.join(f'~sampler.{k}' for k in unknown)}")
 
 
+def model_input(x_t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    """The ε-network's input ``cat([x_t, cond], 1)`` in ``x_t``'s dtype, laid out as ``cat`` lays it out for a
+    contiguous ``x_t``. Every caller of a sampling network builds it here: a compiled forward loaded from a file
+    (:mod:`optim.precompile`) checks its input's strides, so a bench step built another way would compile again."""
+    return torch.cat([x_t, cond.to(x_t.dtype)], dim=1)
+
+
 @torch.no_grad()
 def sample(
     model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -312,7 +319,7 @@ def sample(
     for k, t in enumerate(tqdm(sampler.timesteps.tolist(), desc="sampling", disable=not progress, leave=False)):
         tb = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
         with ctx():
-            eps = model(torch.cat([x, cond.to(x.dtype)], dim=1), tb)
+            eps = model(model_input(x, cond), tb)
         noise = None
         if step_noise is not None and sampler.stochastic:
             noise = step_noise[k].to(device=x.device, dtype=torch.float32)

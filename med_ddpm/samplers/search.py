@@ -37,7 +37,7 @@ from med_ddpm.config_checks import ConfigError, DataError
 from med_ddpm.data.datasets import build_dataset
 from med_ddpm.data.masks import sampling_geometry
 from med_ddpm.diffusion import NoiseSchedule
-from med_ddpm.samplers.base import SPACINGS, make_timesteps
+from med_ddpm.samplers.base import SPACINGS, make_timesteps, model_input
 from optim import RecipeStack
 
 Model = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -71,7 +71,7 @@ def denoised_distances(model: Model, schedule: NoiseSchedule, batches: Iterable[
         for t in tqdm(range(T), desc="x̂0 at every t", disable=not progress, leave=False):
             tb = torch.full((x0.shape[0],), t, device=x0.device, dtype=torch.long)
             x_t = schedule.add_noise(x0, eps, tb)
-            pred = model(torch.cat([x_t, cond.to(x_t.dtype)], 1), tb).float()
+            pred = model(model_input(x_t, cond), tb).float()
             rows.append(schedule.predict_x0(x_t, tb, pred).clamp(-1.0, 1.0).flatten())
         d = torch.stack(rows)
         for start in range(0, d.shape[1], GRAM_CHUNK):

@@ -219,6 +219,15 @@ def test_collect_reads_the_report_and_writes_the_kernel_table(fake_ncu, tmp_path
     assert not list(out.glob("*.ncu-rep")) and not list(out.glob("*_raw.csv"))  # counters.keep_report=false
 
 
+def test_fields_collect_only_the_metrics_named(fake_ncu, tmp_path):
+    fields = counters.collect(job("counters.fields=[duration_ns,sm_cycles]", "counters.stalls=[]"), tmp_path, fake_ncu,
+                              timeout_s=60)
+    cmd = fields["ncu_command"]
+    assert cmd[cmd.index("--metrics") + 1].split(",") == ["gpu__time_duration.sum", "gpc__cycles_elapsed.max"]
+    overall = fields["counters"]["overall"]
+    assert overall["sm_cycles"] == pytest.approx(16_596_000) and overall["inst_executed"] is None
+
+
 def test_application_replay_runs_the_program_once_per_pass(fake_ncu, tmp_path):
     fields = counters.collect(job("counters.replay=application"), tmp_path, fake_ncu, timeout_s=60)
     cmd = fields["ncu_command"]
@@ -358,6 +367,8 @@ def test_bad_counter_options_end_with_one_line():
         counters.check_options({**c, "metrics": {**c["metrics"], "cycles": "sm__cycles_elapsed.max"}})
     with pytest.raises(ConfigError, match=r"^counters.replay=range: must be one of kernel, application$"):
         counters.check_options({**c, "replay": "range"})
+    with pytest.raises(ConfigError, match=r"^counters.fields: cycles is not a field of counters.metrics"):
+        counters.check_options({**c, "fields": ["duration_ns", "cycles"]})
     with pytest.raises(ConfigError, match=r"counters.steps=0"):
         counters.check_options({**c, "steps": 0})
     counters.check_options(c)  # the shipped config is valid

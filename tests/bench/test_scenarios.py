@@ -58,3 +58,31 @@ def test_throughput_counts_every_micro_batch(tmp_path):
     assert fields["compile_s"] is None  # no recipe compiles
     denoise = compose_job(["experiment=bench_smoke", "bench=denoise_step", "bench.batch_size=3"], tmp_path)["config"]
     assert (model_calls(denoise), volumes_per_call(denoise)) == (1, 3)
+
+
+def network_input_strides(cfg: dict) -> set[tuple[int, ...]]:
+    """The strides of every input the U-Net saw during one call of the bench step."""
+    from med_ddpm.model import UNet3D
+
+    seen: set[tuple[int, ...]] = set()
+
+    def hook(module, args):
+        if isinstance(module, UNet3D):
+            seen.add(args[0].stride())
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        with prepared_step(cfg, torch.device("cpu")) as (step, _stack):
+            step()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_the_denoise_step_feeds_the_network_what_sampling_feeds_it(tmp_path):
+    """A compiled forward saved by med_ddpm.sample guards on its input's strides: the bench's forward must build its
+    input as the sampler does, channels-last stack included, or it compiles a second graph."""
+    common = ["experiment=bench_smoke", "recipe=[channels_last_3d]", "bench.warmup=0", "bench.iters=1"]
+    forward = compose_job([*common, "bench=denoise_step"], tmp_path / "f")["config"]
+    chain = compose_job([*common, "bench=full_sample", "sampler=ddim", "sampler.steps=2"], tmp_path / "s")["config"]
+    assert network_input_strides(forward) == network_input_strides(chain)
