@@ -61,6 +61,7 @@ from med_ddpm.run_clock import synchronize
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 from optim import RecipeStack
 
+KILLED = "ncu run killed after"  # the message of a run its time limit ended
 log = logging.getLogger(__name__)
 STEP_FLAG = "--profiled-step"  # python -m bench.counters --profiled-step JOB.json: the program ncu runs
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
@@ -279,7 +280,7 @@ def refusal(ncu_path: str | None, cfg: Mapping[str, Any], device: torch.device) 
 def outcome(run: ncu.Run, timeout_s: float) -> tuple[str, str] | None:
     """(status, message) of a failed profiling run, in ncu's words; None when it finished."""
     if run.returncode is None:
-        return "error", f"ncu run killed after {timeout_s:.0f} s (counters.timeout_s / budget_s)"
+        return "error", f"{KILLED} {timeout_s:.0f} s (counters.timeout_s / budget_s)"
     reason = ncu.unavailable_reason(run.log)
     if reason:
         return "unsupported", f"ncu cannot read counters on this machine: {reason}"

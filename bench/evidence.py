@@ -211,6 +211,14 @@ def list_jobs(todo: list[tuple[Job, Fit]], gpu: Gpu | None, budget_s: float) -> 
     return len(todo)
 
 
+def cut(job: Job, killed: bool, timeout_s: float, own_limit_s: float) -> bool:
+    """Whether the run's budget, not the job's own limit, ended ``job``: then it has no row (a rerun measures it)."""
+    if killed and timeout_s < own_limit_s:
+        print(f"[cut] {job.label}: the time budget ran out; rerun to measure it")
+        return True
+    return False
+
+
 class Runner:
     """Measures the jobs of one launch in order, within the budget; groups step jobs by process."""
 
@@ -293,8 +301,7 @@ class Runner:
         args = {"out": str(self.out), **self.inputs()}
         timeout = min(e2e.JOB_LIMIT_S, self.left_s())
         row = e2e.run_job(chosen.overrides, args, self.out / "jobs" / job.names[0], timeout, self.cache(job))
-        if row["message"].startswith("timed out") and timeout < e2e.JOB_LIMIT_S:
-            print(f"[cut] {job.label}: the time budget ran out; rerun to measure it")
+        if cut(job, row["message"].startswith("timed out"), timeout, e2e.JOB_LIMIT_S):
             return
         print(json.dumps({k: row.get(k) for k in ("e2e", "status", "total_s", "time_to_first_step_s",
                                                    "ms_per_volume")}))
@@ -306,7 +313,8 @@ class Runner:
         folder = self.out / "counters"
         folder.mkdir(parents=True, exist_ok=True)
         spec = counters_spec(chosen.overrides, folder, self.cache(job))
-        timeout = min(float(spec["config"]["counters"]["timeout_s"]), self.left_s())
+        own_limit = float(spec["config"]["counters"]["timeout_s"])
+        timeout = min(own_limit, self.left_s())
         env = {"TRITON_CACHE_DIR": str(self.cache(job) / "triton")} if job.cache else {}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -315,6 +323,8 @@ class Runner:
         finally:
             for key, value in saved.items():
                 os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        if cut(job, row["message"].startswith(counters.KILLED), timeout, own_limit):
+            return
         self.append(job, row, chosen)
 
 

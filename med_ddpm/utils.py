@@ -18,6 +18,7 @@ import platform
 import random
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -152,6 +153,10 @@ def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        # where compiled bytecode is read from: a start-up imports thousands of modules, compiled from source at
+        # every start where no bytecode can be read or written (an install without .pyc on a read-only disk)
+        "pycache_prefix": sys.pycache_prefix,
+        "dont_write_bytecode": sys.flags.dont_write_bytecode,
         "torch": torch.__version__,
         "monai": _version("monai"),
         "cuda": torch.version.cuda,

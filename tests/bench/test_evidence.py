@@ -142,6 +142,24 @@ def test_a_cut_run_names_the_missing_rows_and_the_command_that_continues_its_run
     assert said[-1] == f"finish them (the same command continues the run): python -m bench.ladder {' '.join(argv)}"
 
 
+def test_a_job_the_budget_ended_has_no_row_and_is_listed_missing(tmp_path, monkeypatch, capsys):
+    """ncu killed at the budget's end is no measurement (a rerun makes the row); killed at its own limit, it is."""
+    from bench import counters
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(evidence, "env_info", lambda: {"gpu": "the machine's"})
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
+    monkeypatch.setattr(evidence.Runner, "left_s", lambda self: 11.0)
+    killed = {"status": "error", "message": f"{counters.KILLED} 11 s (counters.timeout_s / budget_s)"}
+    monkeypatch.setattr(counters, "measure", lambda spec, folder, timeout: {**base_row(spec), **killed})
+    assert evidence.run(ladder_cfg(tmp_path, *H100, "only=counters.shipped"), argv=[]) == 1
+    assert "[cut] counters.shipped: the time budget ran out" in capsys.readouterr().out
+    assert not (tmp_path / RESULTS_FILE).exists()
+    monkeypatch.setattr(evidence.Runner, "left_s", lambda self: 1e6)  # its own limit ended it: an error row
+    assert evidence.run(ladder_cfg(tmp_path, *H100, "only=counters.shipped"), argv=[]) == 0
+    assert read_rows(tmp_path)[0]["status"] == "error"
+
+
 def test_a_rerun_continues_the_run_of_this_commit_and_a_new_commit_starts_its_own(tmp_path, measured, monkeypatch):
     code = {"git_sha": "a" * 40, "dirty": False}
     monkeypatch.setattr(evidence, "provenance", lambda: code)
