@@ -168,6 +168,20 @@ def counters_table(run: Run) -> list[str]:
     return lines + [""]
 
 
+def time_table(run: Run) -> list[str]:
+    """Each measurement's wall seconds in the order run (a process's rows share one), and their sum: what the run's
+    jobs took on this GPU, start-up and compilation included; the ladder's own seconds between jobs are not in rows."""
+    spans: dict[float, list[str]] = {}
+    for job, row in run.jobs.items():
+        wall = row.get("wall_s") if row.get("wall_s") is not None else row.get("ncu_wall_s")
+        if wall is not None:
+            spans.setdefault(float(wall), []).append(job)
+    total = sum(spans)
+    lines = [f"{run.caption()}.", "", "| rows of one measurement | wall s |", "| --- | --- |"]
+    lines += [f"| {', '.join(f'`{job}`' for job in jobs)} | {wall:.1f} |" for wall, jobs in spans.items()]
+    return lines + [f"| all {len(spans)} | {total:.1f} ({total / 60:.1f} min) |", ""]
+
+
 def gate_files(run: Run, page_dir: Path) -> str:
     """Where the page's verdicts come from: the folder's gate files, or that it has none."""
     quality = run.folder / QUALITY_DIR
@@ -194,7 +208,8 @@ def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
               "## BraTS, the memory stack", "", *brats_table(run),
               "## Hardware counters against the study's claims", "",
               "Nsight Compute on the 128³ sampler step, library kernels; factors against `counters.strict_fp32`.", "",
-              *counters_table(run)]
+              *counters_table(run),
+              "## The run's time", "", *time_table(run)]
     if named:
         lines += [f"The run also holds rows of jobs outside these tables: {', '.join(sorted(named))}.", ""]
     return "\n".join(lines)

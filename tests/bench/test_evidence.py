@@ -93,14 +93,14 @@ def test_a_dry_run_lists_every_job_and_the_estimate_on_a_cpu(tmp_path, capsys, m
     assert evidence.run(ladder_cfg(tmp_path, "dry_run=true")) == len(JOBS)
     said = capsys.readouterr().out.splitlines()
     assert [line.split(" ~")[0] for line in said[:-1]] == [f"[todo] {job.label}" for job in JOBS]
-    assert said[-1].startswith(f"evidence: {len(JOBS)} job(s) to run here") and f"about {BUDGET_S:g} s" in said[-1]
+    assert said[-1].startswith(f"evidence: {len(JOBS)} job(s) to run here") and f"about {sum(job.estimate_s for job in JOBS):g} s" in said[-1]
     assert not (tmp_path / RESULTS_FILE).exists()
 
 
 def test_a_simulated_v100_runs_the_fp16_variant_and_lists_what_it_cannot_make(tmp_path, capsys):
     evidence.run(ladder_cfg(tmp_path, "dry_run=true", *V100, "only='train_step|tf32|brats|forward|e2e.train'"))
     said = capsys.readouterr().out
-    assert "[todo] train_step.shipped ~115 s (fp16 variant fast_train_fp16): experiment=fast_train_fp16" in said
+    assert "[todo] train_step.shipped ~138 s (fp16 variant fast_train_fp16): experiment=fast_train_fp16" in said
     assert "(fp16 variant fast_train_fp16): scenario=e2e_train experiment=fast_train_fp16" in said
     assert ("[unsupported] train_step.strict_fp32: needs 37.1 GiB of GPU memory (its measured peak); "
             "Tesla V100-SXM2-16GB has 15.8 GiB") in said

@@ -87,6 +87,22 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
             assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
+def test_the_run_s_time_is_each_measurement_s_wall_once_and_their_sum(evidence_repo):
+    """Rows of one process share its wall seconds: counted once; a counters row's are ncu's."""
+    h100 = folders(evidence_repo)[0]
+    measured = rows(h100)
+    for n, row in enumerate(measured):
+        key = "ncu_wall_s" if row["job_name"].startswith("counters.") else "wall_s"
+        row[key] = 95.0 if row["job_name"].endswith(".strict_fp32") and key == "wall_s" else 10.0 + n
+    write_rows(h100, measured)
+    publish_all(evidence_repo)
+    page = (evidence_repo / "docs" / "results" / "h100.md").read_text().split("## The run's time")[1]
+    strict = [r["job_name"] for r in measured if r.get("wall_s") == 95.0]
+    walls = {r.get("wall_s", r.get("ncu_wall_s")) for r in measured}
+    assert len(strict) > 1 and f"| {', '.join(f'`{job}`' for job in strict)} | 95.0 |" in page
+    assert f"| all {len(walls)} | {sum(walls):.1f} ({sum(walls) / 60:.1f} min) |" in page
+
+
 def test_the_readme_s_train_step_cell_shows_the_training_verdict_with_its_band(evidence_repo):
     publish(folders(evidence_repo), evidence_repo / "docs" / "results", evidence_repo / "README.md", "h200")
     cell = "pass (val. loss 0.0616, band 0.0557 ± 0.0025)"
