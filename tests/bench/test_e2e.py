@@ -68,6 +68,9 @@ def test_the_split_is_read_off_the_marks():
     assert (loaded["precompiled"], loaded["precompile_s"]) == ("loaded", 1.5)
     assert (split["imports_s"], split["cuda_init_s"], split["startup_s"]) == (2.0, 0.5, 4.0)
     assert (split["checkpoint_s"], split["recipes_s"], split["model_prep_s"], split["mask_wait_s"]) == (0.25, 0.5, 0.75, 0.5)
+    assert split["warmup_s"] is None  # no compiled stack: no warm-up call
+    warmed = sample_split({**sample, "warmed_up_s": 4.25})
+    assert (warmed["warmup_s"], warmed["mask_wait_s"], warmed["first_volume_s"]) == (0.25, 0.25, 10.0)
     assert sample_split({k: v for k, v in sample.items() if k != "recipes_ready_s"})["recipes_s"] is None  # older code
     assert (split["first_volume_s"], split["per_volume_s"], split["compile_s"]) == (10.0, 2.0, 7.5)
     assert split["write_exposed_s"] == 0.6 and split["sampling_s"] == 17.5

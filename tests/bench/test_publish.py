@@ -99,7 +99,8 @@ def test_the_run_s_time_is_each_measurement_s_wall_once_and_their_sum(evidence_r
     page = (evidence_repo / "docs" / "results" / "h100.md").read_text().split("## The run's time")[1]
     strict = [r["job_name"] for r in measured if r.get("wall_s") == 95.0]
     walls = {r.get("wall_s", r.get("ncu_wall_s")) for r in measured}
-    assert len(strict) > 1 and f"| {', '.join(f'`{job}`' for job in strict)} | 95.0 |" in page
+    workloads = ",".join(job.removesuffix(".strict_fp32") for job in strict)
+    assert len(strict) > 1 and f"| `{{{workloads}}}.strict_fp32` | 95.0 |" in page
     assert f"| all {len(walls)} | {sum(walls):.1f} ({sum(walls) / 60:.1f} min) |" in page
 
 
@@ -173,3 +174,10 @@ def test_dir_publishes_that_gpu_page_alone(evidence_repo):
     assert from_config(cfg) == [f"{evidence_repo}/bench/results/h200: run `{H200}` at commit `222222222222`, the "
                                 f"newest complete run", f"wrote {evidence_repo}/docs/results/h200.md"]
     assert sorted(p.name for p in (evidence_repo / "docs" / "results").iterdir()) == ["h200.md"]
+
+
+def test_one_gpu_folder_gets_no_side_by_side_tables_but_its_page(evidence_repo):
+    publish(folders(evidence_repo)[:1], evidence_repo / "docs" / "results", evidence_repo / "README.md", "h100")
+    gpus = (evidence_repo / "docs" / "results" / "gpus.md").read_text()
+    assert "Only the H100 has an evidence run among the GPU folders (`gpus`): its tables are on [its page](h100.md)." in gpus
+    assert "## `forward`" not in gpus and "Counters, `counters.tf32_channels_last_3d` against strict FP32" in gpus

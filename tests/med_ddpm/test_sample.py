@@ -104,3 +104,49 @@ def test_mask_conditions_hand_back_a_broken_file_as_its_error(tmp_path):
     cfg = OmegaConf.create({"masks": str(broken), "seed": 0, "data": {}, "model": {"image_size": [16, 16, 16]}})
     (item,) = list(MaskConditions(cfg, "whole_head", [16, 16, 16], "crop_or_pad", [1, 2]))  # ends: a sequence
     assert isinstance(item, Raised) and isinstance(item.error, DataError) and str(broken) in str(item.error)
+
+
+class RecordingNet(torch.nn.Module):
+    """An ε-network that records the layout of each input it is called with and predicts zeros."""
+
+    in_channels, out_channels = 3, 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append((x.shape, x.stride(), x.dtype, t.shape, t.dtype))
+        return torch.zeros_like(x[:, :1])
+
+
+class Collected:
+    def submit(self, fn, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("slow_first_call", [True, False])
+def test_a_compiled_stack_s_first_call_runs_on_zeros_laid_out_as_the_first_mask_s(monkeypatch, slow_first_call):
+    """The warm-up call (loading the compiled forward, autotuning, graph capture while the worker reads the first mask)
+    must be the call the first mask makes, or a compiled forward would compile again at it."""
+    from types import SimpleNamespace
+
+    from med_ddpm.cli import CONFIG_DIR
+    from med_ddpm.diffusion import NoiseSchedule
+    from med_ddpm.run_clock import RunClock
+    from med_ddpm.sample import SamplingJob, sample_all
+    from med_ddpm.samplers import build_sampler
+    from optim import RecipeStack
+
+    monkeypatch.setattr(RecipeStack, "slow_first_call", property(lambda self: slow_first_call))
+    net, size = RecordingNet(), [8, 8, 8]
+    cfg = OmegaConf.create({"num_samples": 2, "seed": 0, "progress": False})
+    job = SamplingJob(cfg, torch.device("cpu"), SimpleNamespace(model=net), build_sampler("ddim", NoiseSchedule(10), 2),
+                      RecipeStack.from_config(OmegaConf.load(CONFIG_DIR / "recipe" / "channels_last_3d.yaml")), ("whole_head", size, "crop_or_pad"), Path("."),
+                      None, iter([(0, "m", torch.ones(2, *size), None)]))
+    clock = RunClock("sample")
+    sample_all(job, Collected(), clock)
+    first_mask = net.calls[1:] if slow_first_call else net.calls
+    assert len(first_mask) == 2 and ("warmed_up_s" in clock.values) == slow_first_call
+    if slow_first_call:
+        assert net.calls[0] == first_mask[0]
