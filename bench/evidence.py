@@ -224,6 +224,7 @@ class Runner:
 
     def __init__(self, out: Path, cfg: DictConfig, start: float, budget_s: float) -> None:
         self.out, self.cfg, self.start, self.budget_s = out, cfg, start, budget_s
+        self.launch = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # this launch of the run (a rerun is another)
         self.ran: set[str] = set()
         self._inputs: dict[str, str] | None = None
 
@@ -234,9 +235,12 @@ class Runner:
         return self.out / "cache" / job.cache if job.cache else None
 
     def append(self, job: Job, row: dict[str, Any], chosen: Fit, name: str | None = None) -> None:
-        """One row per name of ``job`` (one measurement), each with its ``job_name`` and the variant run."""
+        """One row per name of ``job`` (one measurement), each with its ``job_name``, the variant run, its launch and
+        the launch's seconds so far (``launch_s``: the ladder's own time between jobs included)."""
+        launch = {"launch": self.launch, "launch_s": round(time.monotonic() - self.start, 1)}
         for row_name in [name] if name else job.names:
-            append_row(self.out / RESULTS_FILE, {**row, "job_name": row_name, "variant": chosen.variant or None})
+            append_row(self.out / RESULTS_FILE, {**row, "job_name": row_name, "variant": chosen.variant or None,
+                                                 **launch})
         self.ran.update([name] if name else job.names)
 
     def measure(self, job: Job, chosen: Fit, todo: list[tuple[Job, Fit]]) -> None:

@@ -187,7 +187,16 @@ def time_table(run: Run) -> list[str]:
     total = sum(spans)
     lines = [f"{run.caption()}.", "", "| rows of one measurement | wall s |", "| --- | --- |"]
     lines += [f"| {job_list(jobs)} | {wall:.1f} |" for wall, jobs in spans.items()]
-    return lines + [f"| all {len(spans)} | {total:.1f} ({total / 60:.1f} min) |", ""]
+    lines += [f"| all {len(spans)} | {total:.1f} ({total / 60:.1f} min) |", ""]
+    launches: dict[str, float] = {}
+    for row in run.jobs.values():
+        if row.get("launch") is not None and row.get("launch_s") is not None:
+            launches[row["launch"]] = max(launches.get(row["launch"], 0.0), float(row["launch_s"]))
+    if launches:
+        spans_said = ", ".join(f"`{launch}` {seconds:.1f} s" for launch, seconds in launches.items())
+        lines += [f"Launches of `bench.ladder` (start to the last row, its own time between jobs included): "
+                  f"{spans_said}.", ""]
+    return lines
 
 
 def gate_files(run: Run, page_dir: Path) -> str:

@@ -127,6 +127,7 @@ def test_a_gpu_s_unsupported_rows_carry_the_reason_and_the_run_and_the_rest_is_m
     assert {r["job_name"] for r in rows} == {"train_step.strict_fp32", "train_step.torch_defaults",
                                               "counters.tf32_channels_last_3d", "brats.memory_train_step"}
     assert all(r["status"] == "unsupported" and r["message"] for r in rows) and len({r["run_id"] for r in rows}) == 1
+    assert len({r["launch"] for r in rows}) == 1 and all(r["launch_s"] >= 0 for r in rows)
     brats = next(r for r in rows if r["job_name"] == "brats.memory_train_step")
     assert brats["model"] == "medddpm_brats" and brats["scenario"] == "train_step" and brats["env"]
     assert measured == ["train_step.shipped"], "the rest runs: fast_train_fp16 in fast_train's place"

@@ -94,6 +94,7 @@ def test_the_run_s_time_is_each_measurement_s_wall_once_and_their_sum(evidence_r
     for n, row in enumerate(measured):
         key = "ncu_wall_s" if row["job_name"].startswith("counters.") else "wall_s"
         row[key] = 95.0 if row["job_name"].endswith(".strict_fp32") and key == "wall_s" else 10.0 + n
+        row.update(launch="20260101T000000Z", launch_s=100.0 + n)
     write_rows(h100, measured)
     publish_all(evidence_repo)
     page = (evidence_repo / "docs" / "results" / "h100.md").read_text().split("## The run's time")[1]
@@ -102,6 +103,8 @@ def test_the_run_s_time_is_each_measurement_s_wall_once_and_their_sum(evidence_r
     workloads = ",".join(job.removesuffix(".strict_fp32") for job in strict)
     assert len(strict) > 1 and f"| `{{{workloads}}}.strict_fp32` | 95.0 |" in page
     assert f"| all {len(walls)} | {sum(walls):.1f} ({sum(walls) / 60:.1f} min) |" in page
+    last = 100.0 + max(n for n, r in enumerate(measured) if r.get("run_id") == H100)
+    assert f"the last row, its own time between jobs included): `20260101T000000Z` {last:.1f} s." in page
 
 
 def test_the_readme_s_train_step_cell_shows_the_training_verdict_with_its_band(evidence_repo):
