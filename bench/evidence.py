@@ -211,12 +211,12 @@ def list_jobs(todo: list[tuple[Job, Fit]], gpu: Gpu | None, budget_s: float) -> 
     return len(todo)
 
 
-def cut(job: Job, killed: bool, timeout_s: float, own_limit_s: float) -> bool:
-    """Whether the run's budget, not the job's own limit, ended ``job``: then it has no row (a rerun measures it)."""
-    if killed and timeout_s < own_limit_s:
+def cut(job: Job, budget_ended: bool) -> bool:
+    """``budget_ended``, said: the run's budget, not the job's own limit, ended ``job``, so it has no row (a rerun
+    measures it)."""
+    if budget_ended:
         print(f"[cut] {job.label}: the time budget ran out; rerun to measure it")
-        return True
-    return False
+    return budget_ended
 
 
 class Runner:
@@ -233,6 +233,10 @@ class Runner:
 
     def cache(self, job: Job) -> Path | None:
         return self.out / "cache" / job.cache if job.cache else None
+
+    def triton_env(self, job: Job) -> dict[str, str]:
+        """Triton's kernel cache inside the job's compile cache, for the processes that compile its stack."""
+        return {"TRITON_CACHE_DIR": str(self.cache(job) / "triton")} if job.cache else {}
 
     def append(self, job: Job, row: dict[str, Any], chosen: Fit, name: str | None = None) -> None:
         """One row per name of ``job`` (one measurement), each with its ``job_name``, the variant run, its launch and
@@ -279,13 +283,12 @@ class Runner:
                                                           and not set(j.names) <= self.ran)]
         folder = self.out / "jobs" / (job.process or job.names[0])
         specs = [step_spec(f.overrides, folder / j.names[0], self.cache(j)) for j, f in group]
-        env = {"TRITON_CACHE_DIR": str(self.cache(job) / "triton")} if job.cache else {}
+        env = self.triton_env(job)
         full = max(float(spec["config"]["bench"]["timeout_s"]) for spec in specs)
         timeout = min(full, self.left_s())
         rows = run_job(specs, folder, timeout, env)
         for (member, fitted), row in zip(group, rows, strict=True):
-            if cut_by_budget(row, timeout, full, self.budget_s):
-                print(f"[cut] {member.label}: the time budget ran out; rerun to measure it")
+            if cut(member, cut_by_budget(row, timeout, full, self.budget_s)):
                 continue
             log_row(row)
             self.append(member, row, fitted)
@@ -305,7 +308,7 @@ class Runner:
         args = {"out": str(self.out), **self.inputs()}
         timeout = min(e2e.JOB_LIMIT_S, self.left_s())
         row = e2e.run_job(chosen.overrides, args, self.out / "jobs" / job.names[0], timeout, self.cache(job))
-        if cut(job, row["message"].startswith("timed out"), timeout, e2e.JOB_LIMIT_S):
+        if cut(job, row["message"].startswith("timed out") and timeout < e2e.JOB_LIMIT_S):
             return
         print(json.dumps({k: row.get(k) for k in ("e2e", "status", "total_s", "time_to_first_step_s",
                                                    "ms_per_volume")}))
@@ -319,7 +322,7 @@ class Runner:
         spec = counters_spec(chosen.overrides, folder, self.cache(job))
         own_limit = float(spec["config"]["counters"]["timeout_s"])
         timeout = min(own_limit, self.left_s())
-        env = {"TRITON_CACHE_DIR": str(self.cache(job) / "triton")} if job.cache else {}
+        env = self.triton_env(job)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -327,7 +330,7 @@ class Runner:
         finally:
             for key, value in saved.items():
                 os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-        if cut(job, row["message"].startswith(counters.KILLED), timeout, own_limit):
+        if cut(job, row["message"].startswith(counters.KILLED) and timeout < own_limit):
             return
         self.append(job, row, chosen)
 
