@@ -34,7 +34,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 
 from med_ddpm import cli, distributed
@@ -48,7 +48,9 @@ from med_ddpm.config_checks import (
     check_model_size,
     check_number,
 )
-from med_ddpm.data.datasets import build_dataset
+from med_ddpm.data.background import DatasetBuild
+from med_ddpm.data.datasets import dataset_variant
+from med_ddpm.data.encoding import Variant
 from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_under_cap
@@ -97,9 +99,11 @@ def fit(job: Job) -> dict[str, Any]:
         cache = compile_cache(job)
         if cache is not None:
             cache.load()
-        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
+        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)  # loads an .aot file
         if (path := resume_path(job)) is not None:
             restore_state(job, path)
+        job.clock.mark("model_ready")
+        wait_for_data(job)
         batches = batch_stream(job)
         if job.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(job.device)
@@ -214,11 +218,10 @@ def build(cfg: DictConfig) -> Job:
     """
     clock = RunClock("train")
     clock.mark("run_start")
+    check_compatible(dataset_variant(cfg.data), cfg.model)
+    data = DatasetBuild(OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True), cfg.model.image_size)
     device = distributed.init_from_env(cfg.device)
     seed_everything(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    dataset = build_dataset(cfg.data, cfg.model.image_size)
-    check_compatible(dataset, cfg.model)
-    clock.mark("data_ready")  # validated, and cached in memory under data.cache=auto|memory
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
     stack.require_training(cfg.train.grad_accum)
@@ -235,7 +238,7 @@ def build(cfg: DictConfig) -> Job:
     return Job(
         cfg=cfg,
         device=device,
-        dataset=dataset,
+        data=data,
         net=net,
         model=net,  # fit() applies stack.prepare_model inside the recipe session
         ema=ema,
@@ -249,9 +252,18 @@ def build(cfg: DictConfig) -> Job:
     )
 
 
-def check_compatible(dataset: Dataset, model_cfg: DictConfig) -> None:
-    """Image + mask channels of the data must be what the network takes and predicts."""
-    v = dataset.variant
+def wait_for_data(job: Job) -> None:
+    """The dataset, built in another process since the run started (:class:`DatasetBuild`); marks ``data_ready``
+    and records the build's own seconds."""
+    with as_config_error("data", "check the data options (python -m med_ddpm.train --cfg job lists them)",
+                         errors=(ValueError, TypeError)):
+        job.data.result()
+    job.clock.mark("data_ready")
+    job.clock.set(data_build_s=round(job.data.seconds, 4))
+
+
+def check_compatible(v: Variant, model_cfg: DictConfig) -> None:
+    """Image + mask channels of the data (its variant ``v``) must be what the network takes and predicts."""
     if (v.image_channels, v.image_channels + v.cond_channels) != (model_cfg.out_channels, model_cfg.in_channels):
         raise ConfigError(
             f"data variant {v.name!r} has {v.image_channels} image + {v.cond_channels} mask channels but the model "

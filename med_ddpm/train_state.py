@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from med_ddpm import distributed
 from med_ddpm.checkpoint import load_into, read_checkpoint, save_checkpoint
 from med_ddpm.config_checks import CheckpointError
+from med_ddpm.data.background import DatasetBuild
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
 from med_ddpm.run_clock import RunClock
@@ -52,10 +53,15 @@ class TrainState:
 class Job(TrainState):
     """Everything :func:`med_ddpm.train.fit` needs, built once from the config (:func:`med_ddpm.train.build`)."""
 
-    dataset: Dataset
+    data: DatasetBuild  # the dataset, built in another process while the model is prepared
     tracker: Tracker
     out_dir: Path
     clock: RunClock  # start-up marks (timings.json), from the process's start
+
+    @property
+    def dataset(self) -> Dataset:
+        """The training dataset; the first use waits for its build (:func:`med_ddpm.train.wait_for_data`)."""
+        return self.data.result()
 
 
 def resume_path(job: Job) -> Path | None:

@@ -134,7 +134,7 @@ def test_train_refuses_an_output_dir_holding_a_run(tmp_path, capsys):
 def test_brats_data_in_another_layout(tmp_path, capsys):
     """data=brats on a whole-head folder: no case is found, and the line says which layouts data=brats reads."""
     write_phantom_niftis(tmp_path / "data", 1, (8, 8, 8))
-    cfg = compose_cfg("train", ["data=brats", f"data.root={tmp_path / 'data'}"], tmp_path / "out")
+    cfg = compose_cfg("train", ["data=brats", "model=tiny_brats", f"data.root={tmp_path / 'data'}"], tmp_path / "out")
     with pytest.warns(UserWarning, match="unexpected names"):
         line = refusal(capsys, train.main, cfg)
     assert re.search(r"/data: no usable image/mask pairs \(skipped 0\); pass data\.root=<a folder of BraTS cases>, "

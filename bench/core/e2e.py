@@ -24,16 +24,19 @@ Row fields beyond the common ones (:mod:`bench.core.records`), all seconds unles
 e2e                    the job, as its strings joined by spaces (its identity)
 compile_cache          ``cold`` | ``warm`` | ``off`` (no compiled recipe)
 total_s                spawn to exit, measured here
-startup_s              process start to the model ready (imports, CUDA init, checkpoint or data, cache load)
+startup_s              process start to the loop's start (imports, CUDA init, checkpoint or data, cache load)
 imports_s, cuda_init_s  of which: to the command's first line (interpreter, imports, Hydra); CUDA context
-checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied); training:
-                       data_s, model_s, loop_prep_s (docs/end-to-end.md has the marks)
-warmup_s               sampling with a compiled stack: its warm-up call on zeros (loading or compiling, cuDNN autotuning,
-                       CUDA-graph capture) while the masks' worker reads the first mask
+checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied, an ``.aot`` file
+                       read); training: model_s, model_prep_s, data_wait_s (the dataset, built in another process
+                       since the start, waited for), loop_prep_s; data_build_s: that build's own seconds
+                       (docs/end-to-end.md has the marks)
+warmup_s               sampling with a compiled stack: its warm-up call on zeros (compiling without an ``.aot`` file,
+                       cuDNN autotuning, CUDA-graph capture) while the masks' worker reads the first mask
 mask_wait_s            sampling: the model ready (and warmed up) to the first mask in hand
 first_volume_s         sampling: the model ready to the first mask done (the warm-up and the wait included)
 per_volume_s           sampling: every later mask, amortised (mask loading and queued writes included)
-compile_s              the first mask's or step's excess over the steady state
+compile_s              the first step's excess over the steady state; sampling: the warm-up's seconds plus the first
+                       mask's excess
 write_busy_s           sampling: the background writer's time; write_exposed_s: what sampling waited for it
 first_step_s           training: the first optimizer step; time_to_first_step_s from process start
 precompiled            with a compile recipe's ``aot``: ``loaded``, ``saved`` or ``lazy`` (:mod:`optim.precompile`);
@@ -188,7 +191,8 @@ def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
         "startup_s": t["model_ready_s"],
         "first_volume_s": round(t["first_volume_done_s"] - t["model_ready_s"], 4),
         "per_volume_s": round((t["sampling_done_s"] - t["first_volume_done_s"]) / later, 4) if later else None,
-        "compile_s": round(volumes[0] - steady, 4) if steady is not None else None,
+        "compile_s": round((gap(t, "model_ready_s", "warmed_up_s") or 0.0) + volumes[0] - steady, 4)
+        if steady is not None else None,
         "sampling_s": round(sum(volumes), 4), "volumes": t["volumes"],
         "write_busy_s": t["write_busy_s"], "write_exposed_s": round(t["total_s"] - t["sampling_done_s"] + t["write_wait_s"], 4),
         "torch_compile_s": torch_compile_s(t), **precompiled(t),
@@ -196,12 +200,13 @@ def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def train_split(t: Mapping[str, Any]) -> dict[str, Any]:
-    """Training's timings.json -> start-up (imports, data, model and recipes, the loop's preparation), first step,
-    steady state, data wait."""
+    """Training's timings.json -> start-up (imports, model and recipes, the wait for the dataset built beside them,
+    the loop's preparation), first step, steady state, data wait."""
     steady_s = t["ms_per_step"] / 1e3 if t.get("ms_per_step") is not None else None
     return {
-        "imports_s": t.get("run_start_s"), "data_s": gap(t, "run_start_s", "data_ready_s"),
-        "model_s": gap(t, "data_ready_s", "model_built_s"), "loop_prep_s": gap(t, "model_built_s", "loop_start_s"),
+        "imports_s": t.get("run_start_s"), "model_s": gap(t, "run_start_s", "model_built_s"),
+        "model_prep_s": gap(t, "model_built_s", "model_ready_s"), "data_wait_s": gap(t, "model_ready_s", "data_ready_s"),
+        "data_build_s": t.get("data_build_s"), "loop_prep_s": gap(t, "data_ready_s", "loop_start_s"),
         "startup_s": t["loop_start_s"], "first_step_s": t["first_step_s"], "time_to_first_step_s": t["first_step_done_s"],
         "compile_s": round(t["first_step_s"] - steady_s, 4) if steady_s is not None else None,
         "torch_compile_s": torch_compile_s(t), **precompiled(t),

@@ -331,12 +331,22 @@ class BratsDataset(NiftiPairDataset):
         super().__init__(list_brats_cases(root, layout), VARIANTS["brats"], image_size, root=root, **kwargs)
 
 
+DATASETS = ("synthetic", "whole_head", "brats")
+
+
+def dataset_variant(cfg_data: Mapping[str, Any]) -> Variant:
+    """The channel layout of the Hydra ``data`` node's dataset, known before it is built (checked against the
+    network while the dataset is built elsewhere)."""
+    name = check_one_of("data.name", cfg_data["name"], DATASETS)
+    return get_variant(cfg_data.get("variant", "whole_head") if name == "synthetic" else name)
+
+
 def build_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int] | None = None) -> Dataset:
     """Dataset from the Hydra ``data`` node (``name`` in synthetic | whole_head | brats).
 
     ``image_size`` (D, H, W) normally comes from the model node; ``cfg_data.image_size`` is the fallback.
     """
-    name = check_one_of("data.name", cfg_data["name"], ("synthetic", "whole_head", "brats"))
+    name = check_one_of("data.name", cfg_data["name"], DATASETS)
     size = tuple(int(s) for s in (image_size if image_size is not None else cfg_data["image_size"]))
     common = {k: cfg_data[k] for k in ("intensity",) if k in cfg_data}
     if name == "synthetic":

@@ -71,13 +71,15 @@ def test_the_split_is_read_off_the_marks():
     assert split["warmup_s"] is None  # no compiled stack: no warm-up call
     warmed = sample_split({**sample, "warmed_up_s": 4.25})
     assert (warmed["warmup_s"], warmed["mask_wait_s"], warmed["first_volume_s"]) == (0.25, 0.25, 10.0)
+    assert warmed["compile_s"] == 7.75, "compiling moved into the warm-up still counts"
     assert sample_split({k: v for k, v in sample.items() if k != "recipes_ready_s"})["recipes_s"] is None  # older code
     assert (split["first_volume_s"], split["per_volume_s"], split["compile_s"]) == (10.0, 2.0, 7.5)
     assert split["write_exposed_s"] == 0.6 and split["sampling_s"] == 17.5
-    train = train_split({"run_start_s": 3.0, "data_ready_s": 5.0, "model_built_s": 8.0, "loop_start_s": 9.0,
-                         "first_step_s": 30.0, "first_step_done_s": 39.0, "ms_per_step": 120.0,
-                         "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57})
-    assert (train["imports_s"], train["data_s"], train["model_s"], train["loop_prep_s"]) == (3.0, 2.0, 3.0, 1.0)
+    train = train_split({"run_start_s": 3.0, "model_built_s": 5.0, "model_ready_s": 8.0, "data_ready_s": 8.5,
+                         "data_build_s": 5.25, "loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0,
+                         "ms_per_step": 120.0, "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57})
+    assert (train["imports_s"], train["model_s"], train["model_prep_s"]) == (3.0, 2.0, 3.0)
+    assert (train["data_wait_s"], train["data_build_s"], train["loop_prep_s"]) == (0.5, 5.25, 0.5)
     assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
     assert train["torch_compile_s"] is None, "a timings.json without Dynamo's counters: no figure, not zero"
 

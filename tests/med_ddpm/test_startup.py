@@ -63,3 +63,26 @@ def test_a_live_non_daemon_thread_gets_the_normal_exit(tmp_path):
     """, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["after run", "thread done"]
+
+
+def test_training_builds_its_memory_cached_dataset_in_another_process(tmp_path):
+    """The dataset (MONAI's import, every file decoded) is built while the model is prepared, and its items reach
+    the training process through shared memory: that process never imports MONAI."""
+    done = python(f"""
+        import sys
+        from hydra import compose, initialize_config_dir
+        from med_ddpm.data.phantoms import write_phantom_niftis
+        from med_ddpm.train import build, fit
+
+        write_phantom_niftis("data", 2, (8, 8, 8))
+        with initialize_config_dir(config_dir="{REPO / 'configs'}", version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[
+                "data=whole_head", "data.root=data", "data.cache=memory", "data.num_workers=0", "model=tiny",
+                "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "model.attention_ds=[2]",
+                "train.max_steps=1", "train.progress=false", "output_dir=run", "device=cpu"])
+        job = build(cfg)
+        fit(job)
+        print(type(job.dataset).__name__, job.data.seconds > 0, sorted(m for m in sys.modules if m.startswith({HEAVY!r})))
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "SharedItems True []"
