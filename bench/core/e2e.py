@@ -28,7 +28,7 @@ startup_s              process start to the loop's start (imports, CUDA init, ch
 imports_s, cuda_init_s  of which: to the command's first line (interpreter, imports, Hydra); CUDA context
 checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied, an ``.aot`` file
                        read); training: model_s, model_prep_s, data_wait_s (the dataset, built in another process
-                       since the start, waited for), loop_prep_s; data_build_s: that build's own seconds
+                       since the start, waited for), loader_s; data_build_s: that build's own seconds
                        (docs/end-to-end.md has the marks)
 warmup_s               sampling with a compiled stack: its warm-up call on zeros (compiling without an ``.aot`` file,
                        cuDNN autotuning, CUDA-graph capture) while the masks' worker reads the first mask
@@ -206,7 +206,7 @@ def train_split(t: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "imports_s": t.get("run_start_s"), "model_s": gap(t, "run_start_s", "model_built_s"),
         "model_prep_s": gap(t, "model_built_s", "model_ready_s"), "data_wait_s": gap(t, "model_ready_s", "data_ready_s"),
-        "data_build_s": t.get("data_build_s"), "loop_prep_s": gap(t, "data_ready_s", "loop_start_s"),
+        "data_build_s": t.get("data_build_s"), "loader_s": gap(t, "data_ready_s", "loop_start_s"),
         "startup_s": t["loop_start_s"], "first_step_s": t["first_step_s"], "time_to_first_step_s": t["first_step_done_s"],
         "compile_s": round(t["first_step_s"] - steady_s, 4) if steady_s is not None else None,
         "torch_compile_s": torch_compile_s(t), **precompiled(t),

@@ -34,8 +34,11 @@ from bench.reporting.evidence import (
     COUNTERS,
     COUNTERS_BASE,
     E2E,
+    E2E_TARGETS,
+    SAMPLE_PHASES,
     STACKS,
     STUDY,
+    TRAIN_PHASES,
     WORKLOADS,
     Run,
     choose_run,
@@ -133,15 +136,58 @@ def step_table(run: Run, gates: Gates, page_dir: Path) -> list[str]:
     return lines + [""]
 
 
+def target_cell(run: Run, job: str) -> str:
+    """The project's target for an end-to-end figure, and whether the run met it."""
+    ms, target = run.e2e_ms(job), E2E_TARGETS[job]
+    said = f"≤ {fmt_ms(target)}{' a volume' if E2E[job][0] == 'ms_per_volume' else ''}"
+    return said if ms is None else f"{said}: {'met' if ms <= target else 'missed'}"
+
+
 def e2e_table(run: Run) -> list[str]:
-    """The real commands' figures, each beside the step benchmark of the same stack in the same run."""
-    lines = [f"{run.caption()}.", "", "| job | what | figure | the step benchmark beside it |", "|" + " --- |" * 4]
+    """The real commands' figures, each beside its target and the step benchmark of the same stack in the same run."""
+    lines = [f"{run.caption()}.", "", "| job | what | figure | target | the step benchmark beside it |",
+             "|" + " --- |" * 5]
     for job, (_, what, step) in E2E.items():
         beside = run.ms_per_volume(step)
         shown = f"`{step}` {fmt_ms(beside)} a volume" if beside else ""
         figure = e2e_cell(run, job) if run.ok(job) else run.status_note(job)
-        lines.append(f"| `{job}` | {what} | {figure} | {shown} |")
+        lines.append(f"| `{job}` | {what} | {figure} | {target_cell(run, job)} | {shown} |")
     return lines + [""]
+
+
+def phase_table(jobs: Sequence[str], rows: Sequence[dict], phases: Sequence[tuple[str, str]],
+                tail: Sequence[tuple[str, list[float]]]) -> list[str]:
+    """Seconds per phase (a row's split fields, those its code marked, then ``tail``), one column per job."""
+    lines = ["| phase | " + " | ".join(f"`{job}` s" for job in jobs) + " |", "|" + " --- |" * (len(jobs) + 1)]
+    for key, label in phases:
+        if any(row.get(key) is not None for row in rows):
+            lines.append(f"| {label} | " + " | ".join("" if r.get(key) is None else f"{r[key]:.2f}" for r in rows) + " |")
+    return lines + [f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for label, values in tail] + [""]
+
+
+def sample_tail(row: dict) -> tuple[float, float, float]:
+    """A sampling row's first mask (warm-up and wait taken out), later masks and what came after the last: the
+    phases that, with the start-up's, add up to its total."""
+    first = row["first_volume_s"] - (row.get("warmup_s") or 0.0) - (row.get("mask_wait_s") or 0.0)
+    later = (row.get("per_volume_s") or 0.0) * (int(row["masks"]) - 1)
+    return first, later, row["total_s"] - row["startup_s"] - row["first_volume_s"] - later
+
+
+def startup_tables(run: Run) -> list[str]:
+    """Where the real commands' seconds go, from each row's split (:mod:`bench.core.e2e`)."""
+    lines = []
+    sampling = [job for job in ("e2e.sample4_warm", "e2e.sample4_cold") if "first_volume_s" in (run.ok(job) or {})]
+    if sampling:
+        rows = [run.ok(job) for job in sampling]
+        tails = [sample_tail(row) for row in rows]
+        tail = [(label, [t[i] for t in tails]) for i, label in
+                enumerate(("the first mask sampled (without a warm-up: the first call too)", "the later masks",
+                          "the last files written, exit"))]
+        lines += phase_table(sampling, rows, SAMPLE_PHASES, [*tail, ("total", [r["total_s"] for r in rows])])
+    if "first_step_s" in (row := run.ok("e2e.train_first_step_warm") or {}):
+        lines += phase_table(["e2e.train_first_step_warm"], [row], TRAIN_PHASES,
+                             [("to the first step", [row["time_to_first_step_s"]])])
+    return lines
 
 
 def brats_table(run: Run) -> list[str]:
@@ -221,7 +267,7 @@ def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
         lines += [f"{len(run.skipped)} unreadable line(s) of results.jsonl skipped: "
                   + ", ".join(f"`{s}`" for s in run.skipped), ""]
     lines += ["## Step benchmarks", "", *step_table(run, gates, page_dir),
-              "## The real commands, from process start", "", *e2e_table(run),
+              "## The real commands, from process start", "", *e2e_table(run), *startup_tables(run),
               "## BraTS, the memory stack", "", *brats_table(run),
               "## Hardware counters against the study's claims", "",
               "Nsight Compute on the 128³ sampler step, library kernels; factors against `counters.strict_fp32`.", "",

@@ -79,7 +79,7 @@ def test_the_split_is_read_off_the_marks():
                          "data_build_s": 5.25, "loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0,
                          "ms_per_step": 120.0, "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57})
     assert (train["imports_s"], train["model_s"], train["model_prep_s"]) == (3.0, 2.0, 3.0)
-    assert (train["data_wait_s"], train["data_build_s"], train["loop_prep_s"]) == (0.5, 5.25, 0.5)
+    assert (train["data_wait_s"], train["data_build_s"], train["loader_s"]) == (0.5, 5.25, 0.5)
     assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
     assert train["torch_compile_s"] is None, "a timings.json without Dynamo's counters: no figure, not zero"
 

@@ -107,6 +107,42 @@ def test_the_run_s_time_is_each_measurement_s_wall_once_and_their_sum(evidence_r
     assert f"the last row, its own time between jobs included): `20260101T000000Z` {last:.1f} s." in page
 
 
+def test_the_real_commands_time_adds_up_phase_by_phase_beside_its_target(evidence_repo):
+    """Each e2e row's split, phase by phase in the order they run, adds up to its total; each figure says whether it
+    met the project's target."""
+    from bench.core.e2e import sample_split, train_split
+
+    sample = sample_split({"run_start_s": 2.0, "device_ready_s": 2.25, "checkpoint_ready_s": 2.75,
+                           "recipes_ready_s": 3.5, "model_ready_s": 5.0, "warmed_up_s": 8.0,
+                           "first_mask_ready_s": 8.5, "first_volume_done_s": 10.5, "sampling_done_s": 16.5,
+                           "total_s": 17.0, "volume_s": [2.0, 2.0, 2.0, 2.0], "volumes": 4, "write_busy_s": 3.0,
+                           "write_wait_s": 0.0})
+    train = train_split({"run_start_s": 2.0, "model_built_s": 2.5, "model_ready_s": 6.0, "data_ready_s": 7.0,
+                         "data_build_s": 6.5, "loop_start_s": 7.25, "first_step_s": 8.0, "first_step_done_s": 15.25,
+                         "ms_per_step": 110.0})
+    h100 = folders(evidence_repo)[0]
+    measured = rows(h100)
+    for row in measured:
+        if row["job_name"] == "e2e.sample4_warm":
+            row.update(sample, masks=4, total_s=18.0)  # 1 s of teardown after the last mark
+        elif row["job_name"] == "e2e.train_first_step_warm":
+            row.update(train)
+    write_rows(h100, measured)
+    publish_all(evidence_repo)
+    page = (evidence_repo / "docs" / "results" / "h100.md").read_text().split("## The real commands")[1]
+    expected = ["| interpreter, imports, Hydra | 2.00 |", "| CUDA context | 0.25 |", "| recipes built | 0.75 |",
+                "| compile cache loaded, recipes applied | 1.50 |", "| warm-up call on zeros (autotuning, graph capture) | 3.00 |",
+                "| waiting for the first mask | 0.50 |", "the first call too) | 2.00 |", "| the later masks | 6.00 |",
+                "| the last files written, exit | 1.50 |", "| total | 18.00 |"]
+    assert all(line in page for line in expected), page
+    assert "| `e2e.sample4_warm` | 4 masks, warm compile cache | 18.00 s | ≤ 15.00 s: missed |" in page
+    expected = ["| recipes built, network and EMA on the device | 0.50 |", "`.aot` file read | 3.50 |",
+                "| waiting for the dataset built beside them | 1.00 |", "| loader started | 0.25 |",
+                "the first optimizer step (older rows: the `.aot` file read in it) | 8.00 |", "| to the first step | 15.25 |"]
+    assert all(line in page for line in expected), page
+    assert "| to the first step, warm compile cache | 15.25 s | ≤ 20.00 s: met |" in page
+
+
 def test_the_readme_s_train_step_cell_shows_the_training_verdict_with_its_band(evidence_repo):
     publish(folders(evidence_repo), evidence_repo / "docs" / "results", evidence_repo / "README.md", "h200")
     cell = "pass (val. loss 0.0616, band 0.0557 ± 0.0025)"
