@@ -99,7 +99,7 @@ def fit(job: Job) -> dict[str, Any]:
         cache = compile_cache(job)
         if cache is not None:
             cache.load()
-        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)  # loads an .aot file
+        job.model = distributed.wrap_ddp(job.stack.prepare_model(job.net), job.device)
         if (path := resume_path(job)) is not None:
             restore_state(job, path)
         job.clock.mark("model_ready")

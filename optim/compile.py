@@ -95,11 +95,7 @@ def compile_options(mode: str, backend: str, layout_optimization: bool | None,
 def _compiled(forward: Callable[..., Any], mode: str, backend: str, layout_optimization: bool | None,
               inductor: Mapping[str, Any] | None, aot_file: Path | None = None, **options: Any) -> Callable[..., Any]:
     kwargs = {"backend": backend, **compile_options(mode, backend, layout_optimization, inductor), **options}
-    if aot_file:
-        compiled = Precompiled(forward, kwargs, aot_file)
-        compiled.preload()
-    else:
-        compiled = torch.compile(forward, **kwargs)
+    compiled = Precompiled(forward, kwargs, aot_file) if aot_file else torch.compile(forward, **kwargs)
     if mode != "reduce-overhead":
         return compiled
 

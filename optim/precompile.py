@@ -13,8 +13,7 @@ too. The network is passed to the saved function at each call, so the live model
 
 Example:
     >>> forward = Precompiled(model.forward, {"mode": "default"}, Path("cache/sample.aot"))
-    >>> forward.preload()        # read the file now, if there is one (the command has other work beside it)
-    >>> y = forward(x, t)        # first call: load the file unless preloaded, or compile ahead of time and save it
+    >>> y = forward(x, t)        # first call: load the file, or compile ahead of time and save it
 """
 
 from __future__ import annotations
@@ -49,9 +48,8 @@ class Precompiled:
         status: ``pending`` until the first call, then what it did: ``loaded`` the file, ``saved`` a new one, or
             ``lazy`` (no file could be used: every call is compiled by ``torch.compile`` as without ``aot``).
         lazy_calls: calls that took the lazy ``torch.compile`` path (guards failed, or no file could be used).
-        seconds: what loading the file took (at :meth:`preload` or the first call), or compiling and saving it.
-            Dynamo's own time counters (``torch._dynamo.utils.calculate_time_spent``) do not see ``aot_compile``,
-            so this is its only record.
+        seconds: what the first call spent loading the file, or compiling and saving it. Dynamo's own time counters
+            (``torch._dynamo.utils.calculate_time_spent``) do not see ``aot_compile``, so this is its only record.
     """
 
     def __init__(self, forward: Callable[..., Any], compile_kwargs: Mapping[str, Any], path: Path) -> None:
@@ -59,45 +57,31 @@ class Precompiled:
         self.lazy = torch.compile(forward, **self.compile_kwargs)  # compiles on its first call only
         self.compiled: Any = None
         self.status, self.lazy_calls, self.seconds = "pending", 0, 0.0
-        self.unreadable = False  # the file failed to load once: the first call builds a new one
-
-    def preload(self) -> None:
-        """Read the saved file now, if there is one, instead of at the first call: a command that prepares its
-        model while another process builds its data (training) takes the read off its path to the first step."""
-        if self.status == "pending" and self.path.exists():
-            self._timed_load(None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.status == "pending":
-            self._timed_load((args, kwargs))
+            start = time.perf_counter()
+            self.compiled = self._load(args, kwargs)
+            self.seconds = time.perf_counter() - start
         module = getattr(self.forward, "__self__", None)
         if self.compiled is not None and self.compiled.guard_check(module, *args, **kwargs):
             return self.compiled(module, *args, **kwargs)
         self.lazy_calls += 1
         return self.lazy(*args, **kwargs)
 
-    def _timed_load(self, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None) -> None:
-        start = time.perf_counter()
-        self.compiled = self._load(inputs)
-        self.seconds += time.perf_counter() - start
-
-    def _load(self, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None) -> Any:
-        """The saved function, or a new one built from the first call's ``inputs`` (args, kwargs) and saved; None
-        on any failure (status ``lazy``), or without ``inputs`` when there is no file to read (still ``pending``)."""
+    def _load(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The saved function, or a new one built from this call's inputs and saved; None (lazy) on any failure."""
         if not inspect.ismethod(self.forward):
             return self._give_up(f"{type(self.forward).__name__} is not a module's bound forward")
         try:
-            compiled = None
-            if self.path.exists() and not self.unreadable:
+            if self.path.exists():
                 try:
                     compiled, self.status = self._read(), "loaded"
                 except Exception as err:  # a file of another torch, GPU or code: build it again
                     log.warning("%s: could not load (%s); compiling it again", self.path, _reason(err))
-                    self.unreadable = True
-            if compiled is None:
-                if inputs is None:
-                    return None
-                compiled, self.status = self._build(*inputs), "saved"
+                    compiled, self.status = self._build(args, kwargs), "saved"
+            else:
+                compiled, self.status = self._build(args, kwargs), "saved"
             compiled.disable_guard_check()  # __call__ checks the guards once, to choose the path
         except Exception as err:  # aot_compile is experimental: any failure leaves the lazy compile
             return self._give_up(_reason(err))

@@ -26,12 +26,11 @@ compile_cache          ``cold`` | ``warm`` | ``off`` (no compiled recipe)
 total_s                spawn to exit, measured here
 startup_s              process start to the loop's start (imports, CUDA init, checkpoint or data, cache load)
 imports_s, cuda_init_s  of which: to the command's first line (interpreter, imports, Hydra); CUDA context
-checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied, an ``.aot`` file
-                       read); training: model_s, model_prep_s, data_wait_s (the dataset, built in another process
-                       since the start, waited for), loader_s; data_build_s: that build's own seconds
-                       (docs/end-to-end.md has the marks)
-warmup_s               sampling with a compiled stack: its warm-up call on zeros (compiling without an ``.aot`` file,
-                       cuDNN autotuning, CUDA-graph capture) while the masks' worker reads the first mask
+checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied); training:
+                       model_s, model_prep_s, data_wait_s (the dataset, built in another process since the start,
+                       waited for), loader_s; data_build_s: that build's own seconds (docs/end-to-end.md: the marks)
+warmup_s               sampling with a compiled stack: its warm-up call on zeros (loading or compiling, cuDNN autotuning,
+                       CUDA-graph capture) while the masks' worker reads the first mask
 mask_wait_s            sampling: the model ready (and warmed up) to the first mask in hand
 first_volume_s         sampling: the model ready to the first mask done (the warm-up and the wait included)
 per_volume_s           sampling: every later mask, amortised (mask loading and queued writes included)

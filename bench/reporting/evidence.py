@@ -48,7 +48,8 @@ E2E = {
 E2E_TARGETS = {"e2e.sample4_warm": 15_000.0, "e2e.sample4_cold": 45_000.0, "e2e.train_first_step_warm": 20_000.0,
                "e2e.train_steady": 60.0}  # ms: the project's end-to-end targets (H100 or H200 class)
 # Where a real command's time goes: its row's split (bench.core.e2e), phase by phase in the order they run; a row
-# shows the phases its code marked (older rows: the dataset before the model, the .aot file read at the first step).
+# shows the phases its code marked (older rows: the dataset built before the model); an .aot file is read in the first
+# call (sampling: the warm-up, where one ran).
 SAMPLE_PHASES = (("imports_s", "interpreter, imports, Hydra"), ("cuda_init_s", "CUDA context"),
                  ("checkpoint_s", "checkpoint read, masks' worker started"), ("recipes_s", "recipes built"),
                  ("model_prep_s", "compile cache loaded, recipes applied"),
@@ -56,10 +57,10 @@ SAMPLE_PHASES = (("imports_s", "interpreter, imports, Hydra"), ("cuda_init_s", "
                  ("mask_wait_s", "waiting for the first mask"))
 TRAIN_PHASES = (("imports_s", "interpreter, imports, Hydra"), ("data_s", "the dataset built, before the model"),
                 ("model_s", "recipes built, network and EMA on the device"),
-                ("model_prep_s", "compile cache loaded, recipes applied, `.aot` file read"),
+                ("model_prep_s", "compile cache loaded, recipes applied, resumed"),
                 ("loop_prep_s", "compile cache loaded, recipes applied, loader started"),
                 ("data_wait_s", "waiting for the dataset built beside them"), ("loader_s", "loader started"),
-                ("first_step_s", "the first optimizer step (older rows: the `.aot` file read in it)"))
+                ("first_step_s", "the first optimizer step (the `.aot` file read in it)"))
 BRATS = "brats.memory_train_step"
 COUNTERS_BASE = "counters.strict_fp32"
 COUNTERS = ("counters.tf32_channels_last_3d", "counters.shipped")

@@ -2,9 +2,9 @@
 
 Building the dataset is mostly Python: importing MONAI (seconds; more where its network zoo finds transformers and
 torchvision installed) and decoding every NIfTI file for the memory cache. Preparing the model is Python too:
-recipes, the compile cache, a compiled forward read from its ``.aot`` file. Two threads would take turns under one
-interpreter lock, so :class:`DatasetBuild` forks a process that builds the dataset while the command prepares the
-model, and :meth:`DatasetBuild.result` waits for it where the loop first needs data.
+building the recipes and the network, loading the compile cache, applying the recipes. Two threads would take turns
+under one interpreter lock, so :class:`DatasetBuild` forks a process that builds the dataset while the command
+prepares the model, and :meth:`DatasetBuild.result` waits for it where the loop first needs data.
 
 With ``data.cache`` ``memory`` (or ``auto`` choosing it) the process reads each item once into tensors in shared
 memory, stacked per key (:class:`SharedItems`): they reach this process without a copy and without importing MONAI

@@ -136,9 +136,9 @@ def test_the_real_commands_time_adds_up_phase_by_phase_beside_its_target(evidenc
                 "| the last files written, exit | 1.50 |", "| total | 18.00 |"]
     assert all(line in page for line in expected), page
     assert "| `e2e.sample4_warm` | 4 masks, warm compile cache | 18.00 s | ≤ 15.00 s: missed |" in page
-    expected = ["| recipes built, network and EMA on the device | 0.50 |", "`.aot` file read | 3.50 |",
+    expected = ["| recipes built, network and EMA on the device | 0.50 |", "recipes applied, resumed | 3.50 |",
                 "| waiting for the dataset built beside them | 1.00 |", "| loader started | 0.25 |",
-                "the first optimizer step (older rows: the `.aot` file read in it) | 8.00 |", "| to the first step | 15.25 |"]
+                "the first optimizer step (the `.aot` file read in it) | 8.00 |", "| to the first step | 15.25 |"]
     assert all(line in page for line in expected), page
     assert "| to the first step, warm compile cache | 15.25 s | ≤ 20.00 s: met |" in page
 
