@@ -9,8 +9,8 @@ prepares the model, and :meth:`DatasetBuild.result` waits for it where the loop 
 With ``data.cache`` ``memory`` (or ``auto`` choosing it) the process reads each item once into tensors in shared
 memory, stacked per key (:class:`SharedItems`): they reach this process without a copy and without importing MONAI
 here, and the loader's workers read them as they would a cache of their own. Otherwise the process hands back the
-dataset object itself, which reads its files when an item is asked for. Where ``fork`` is missing, or the process
-dies (out of memory, or a ``/dev/shm`` too small for the set), the dataset is built here instead, as one warning
+dataset object itself, which reads its files when an item is asked for. Where ``fork`` is missing, the dataset is
+built here; where the process dies (out of memory, or a ``/dev/shm`` too small for the set), too, as one warning
 says.
 """
 
@@ -22,8 +22,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 import torch
@@ -100,8 +99,17 @@ def build_training_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int
     return Built(dataset, time.perf_counter() - start, caught, error)
 
 
+def _serve(conn: Connection, cfg_data: Mapping[str, Any], image_size: Sequence[int]) -> None:
+    """The forked process: build the dataset, send it, and run until the command has taken it (shared tensors
+    travel as file descriptors that this process hands over while it runs)."""
+    conn.send(build_training_dataset(cfg_data, image_size, share=True))
+    conn.recv()
+
+
 class DatasetBuild:
     """:func:`build_training_dataset` in a forked process, started now; :meth:`result` waits for it.
+
+    The process is a daemon: a command that fails before it needs the data ends it on exit instead of waiting for it.
 
     Attributes:
         seconds: what the build took where it ran (None until :meth:`result` returns).
@@ -111,11 +119,14 @@ class DatasetBuild:
         self.cfg_data, self.image_size = dict(cfg_data), [int(s) for s in image_size]
         self.seconds: float | None = None
         self._dataset: Dataset | None = None
-        self._pool: ProcessPoolExecutor | None = None
-        self._future: Future | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
         if "fork" in multiprocessing.get_all_start_methods():
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"))
-            self._future = self._pool.submit(build_training_dataset, self.cfg_data, self.image_size, True)
+            context = multiprocessing.get_context("fork")
+            self._conn, theirs = context.Pipe()
+            self._process = context.Process(target=_serve, args=(theirs, self.cfg_data, self.image_size),
+                                            name="med_ddpm-dataset", daemon=True)
+            self._process.start()
+            theirs.close()
 
     def result(self) -> Dataset:
         """The dataset: the process's, received once (its error raised here as it was, its warnings repeated
@@ -130,13 +141,17 @@ class DatasetBuild:
         return self._dataset
 
     def _receive(self) -> Built:
-        if self._future is None:
+        if self._process is None:
             return build_training_dataset(self.cfg_data, self.image_size, False)
         try:
-            return self._future.result()
-        except BrokenProcessPool as err:
-            log.warning("the process building the dataset stopped (%s: out of memory, or /dev/shm too small for "
-                        "the set?); building it in this process", err)
+            built = self._conn.recv()
+            self._conn.send(True)  # taken: the process may end
+        except (EOFError, OSError):
+            self._process.join()
+            log.warning("the process building the dataset stopped (exit code %s: out of memory, or /dev/shm too "
+                        "small for the set?); building it in this process", self._process.exitcode)
             return build_training_dataset(self.cfg_data, self.image_size, False)
         finally:
-            self._pool.shutdown()  # after the result: the process hands shared memory over while it runs
+            self._conn.close()
+        self._process.join()
+        return built

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool
+import os
 
 import pytest
 import torch
@@ -54,7 +53,7 @@ def test_without_a_memory_cache_the_dataset_reads_its_files(root):
 
 def test_the_process_hands_over_the_items(root):
     build = DatasetBuild(whole_head(root), SIZE)
-    assert build._future is not None, "fork is there on Linux: the build runs in another process"
+    assert build._process is not None, "fork is there on Linux: the build runs in another process"
     dataset = build.result()
     assert build.result() is dataset and build.seconds > 0
     assert isinstance(dataset, SharedItems) and dataset.columns["cond"].is_shared()
@@ -72,24 +71,21 @@ def test_the_process_error_is_raised_as_it_was_after_its_warnings(tmp_path):
         DatasetBuild(whole_head(tmp_path / "nowhere"), SIZE).result()
 
 
-class BrokenPool:
-    """A process pool whose process died before it answered (out of memory, a full /dev/shm)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def submit(self, *args):
-        future = Future()
-        future.set_exception(BrokenProcessPool("a child process terminated abruptly"))
-        return future
-
-    def shutdown(self):
-        pass
+def die(conn, cfg_data, image_size):
+    """A dataset process killed before it answered (out of memory, a full /dev/shm)."""
+    os._exit(9)
 
 
 def test_a_process_that_died_is_replaced_by_a_build_here(root, monkeypatch, caplog):
-    monkeypatch.setattr(background, "ProcessPoolExecutor", BrokenPool)
+    monkeypatch.setattr(background, "_serve", die)
     dataset = DatasetBuild(whole_head(root), SIZE).result()
-    assert "building it in this process" in caplog.text
+    assert "stopped (exit code 9" in caplog.text and "building it in this process" in caplog.text
     assert isinstance(dataset, SharedItems) and not dataset.columns["image"].is_shared()
     assert_same_items(dataset, WholeHeadDataset(root, SIZE, cache="none"))
+
+
+def test_the_process_is_a_daemon_ended_with_a_command_that_failed_before_it_needed_the_data(root):
+    build = DatasetBuild(whole_head(root), SIZE)
+    assert build._process.daemon
+    build.result()
+    assert build._process.exitcode == 0, "taken: the process ended on its own"
