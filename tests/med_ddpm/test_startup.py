@@ -67,7 +67,7 @@ def test_a_live_non_daemon_thread_gets_the_normal_exit(tmp_path):
 
 def test_training_builds_its_memory_cached_dataset_in_another_process(tmp_path):
     """The dataset (MONAI's import, every file decoded) is built while the model is prepared, and its items reach
-    the training process through shared memory: that process never imports MONAI."""
+    the training process (and its loader workers) through shared memory: that process never imports MONAI."""
     done = python(f"""
         import sys
         from hydra import compose, initialize_config_dir
@@ -77,7 +77,7 @@ def test_training_builds_its_memory_cached_dataset_in_another_process(tmp_path):
         write_phantom_niftis("data", 2, (8, 8, 8))
         with initialize_config_dir(config_dir="{REPO / 'configs'}", version_base="1.3"):
             cfg = compose(config_name="train", overrides=[
-                "data=whole_head", "data.root=data", "data.cache=memory", "data.num_workers=0", "model=tiny",
+                "data=whole_head", "data.root=data", "data.cache=memory", "data.num_workers=2", "model=tiny",
                 "model.image_size=[8,8,8]", "model.channel_mult=[1,2]", "model.attention_ds=[2]",
                 "train.max_steps=1", "train.progress=false", "output_dir=run", "device=cpu"])
         job = build(cfg)
