@@ -55,7 +55,7 @@ from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_under_cap
 from med_ddpm.model import UNet3D, build_model
-from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator
+from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator, synchronize
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.tracking import build_tracker
 from med_ddpm.train_state import Job, TrainState, restore_state, resume_path, save_state
@@ -103,6 +103,8 @@ def fit(job: Job) -> dict[str, Any]:
         if (path := resume_path(job)) is not None:
             restore_state(job, path)
         job.clock.mark("model_ready")
+        if warm_up(job):
+            job.clock.mark("warmed_up")
         wait_for_data(job)
         batches = batch_stream(job)
         if job.device.type == "cuda":
@@ -250,6 +252,31 @@ def build(cfg: DictConfig) -> Job:
         out_dir=out_dir,
         clock=clock,
     )
+
+
+def warm_up(job: Job, passes: int = 2) -> bool:
+    """Forward and backward passes on zeros shaped as the first batch, where the stack's first calls are slow (a
+    compile recipe: loading the compiled graphs, cuDNN autotuning, and CUDA-graph trees, which record a function at
+    its second call), so that they run while the dataset is still being built instead of in the first step.
+
+    Nothing a step depends on changes: the gradients are dropped, the random state is restored, and no batch is
+    drawn. Skipped (False) for a stack whose first call is not slow."""
+    if not job.stack.slow_first_call:
+        return False
+    cfg, variant = job.cfg, dataset_variant(job.cfg.data)
+    shape = (cfg.train.batch_size, variant.image_channels, *cfg.model.image_size)
+    with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
+        for _ in range(passes):
+            x = job.stack.prepare_input(torch.zeros(shape, device=job.device))
+            cond = job.stack.prepare_input(torch.zeros((shape[0], variant.cond_channels, *shape[2:]), device=job.device))
+            t = torch.zeros(shape[0], dtype=torch.long, device=job.device)
+            with job.stack.forward_context():
+                loss = diffusion_loss(job.model, job.schedule, x, cond, t=t, noise=torch.zeros(shape, device=job.device),
+                                      loss_type=cfg.diffusion.loss_type)
+            loss.backward()
+    job.optimizer.zero_grad(set_to_none=True)
+    synchronize(job.device)
+    return True
 
 
 def wait_for_data(job: Job) -> None:

@@ -29,13 +29,14 @@ imports_s, cuda_init_s  of which: to the command's first line (interpreter, impo
 checkpoint_s, ...      sampling: checkpoint_s, recipes_s, model_prep_s (cache load, recipes applied); training:
                        model_s, model_prep_s, data_wait_s (the dataset, built in another process since the start,
                        waited for), loader_s; data_build_s: that build's own seconds (docs/end-to-end.md: the marks)
-warmup_s               sampling with a compiled stack: its warm-up call on zeros (loading or compiling, cuDNN autotuning,
-                       CUDA-graph capture) while the masks' worker reads the first mask
+warmup_s               a compiled stack's warm-up on zeros (loading or compiling, cuDNN autotuning, CUDA-graph capture):
+                       sampling's one call while the masks' worker reads the first mask, training's passes while the
+                       dataset builds
 mask_wait_s            sampling: the model ready (and warmed up) to the first mask in hand
 first_volume_s         sampling: the model ready to the first mask done (the warm-up and the wait included)
 per_volume_s           sampling: every later mask, amortised (mask loading and queued writes included)
-compile_s              the first step's excess over the steady state; sampling: the warm-up's seconds plus the first
-                       mask's excess
+compile_s              the warm-up's seconds plus the first step's (sampling: the first mask's) excess over the steady
+                       state
 write_busy_s           sampling: the background writer's time; write_exposed_s: what sampling waited for it
 first_step_s           training: the first optimizer step; time_to_first_step_s from process start
 precompiled            with a compile recipe's ``aot``: ``loaded``, ``saved`` or ``lazy`` (:mod:`optim.precompile`);
@@ -199,15 +200,17 @@ def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def train_split(t: Mapping[str, Any]) -> dict[str, Any]:
-    """Training's timings.json -> start-up (imports, model and recipes, the wait for the dataset built beside them,
-    the loop's preparation), first step, steady state, data wait."""
+    """Training's timings.json -> start-up (imports, model and recipes, a compiled stack's warm-up passes, the wait
+    for the dataset built beside them, the loop's preparation), first step, steady state, data wait."""
     steady_s = t["ms_per_step"] / 1e3 if t.get("ms_per_step") is not None else None
     return {
         "imports_s": t.get("run_start_s"), "model_s": gap(t, "run_start_s", "model_built_s"),
-        "model_prep_s": gap(t, "model_built_s", "model_ready_s"), "data_wait_s": gap(t, "model_ready_s", "data_ready_s"),
+        "model_prep_s": gap(t, "model_built_s", "model_ready_s"), "warmup_s": gap(t, "model_ready_s", "warmed_up_s"),
+        "data_wait_s": gap(t, "warmed_up_s" if "warmed_up_s" in t else "model_ready_s", "data_ready_s"),
         "data_build_s": t.get("data_build_s"), "loader_s": gap(t, "data_ready_s", "loop_start_s"),
         "startup_s": t["loop_start_s"], "first_step_s": t["first_step_s"], "time_to_first_step_s": t["first_step_done_s"],
-        "compile_s": round(t["first_step_s"] - steady_s, 4) if steady_s is not None else None,
+        "compile_s": round((gap(t, "model_ready_s", "warmed_up_s") or 0.0) + t["first_step_s"] - steady_s, 4)
+        if steady_s is not None else None,
         "torch_compile_s": torch_compile_s(t), **precompiled(t),
         **{k: t.get(k) for k in ("ms_per_step", "ms_per_volume", "data_wait_pct", "steady_steps", "peak_mem_gib",
                                  "peak_reserved_gib", "memory_cap_gib")},

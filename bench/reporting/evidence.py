@@ -59,8 +59,10 @@ TRAIN_PHASES = (("imports_s", "interpreter, imports, Hydra"), ("data_s", "the da
                 ("model_s", "recipes built, network and EMA on the device"),
                 ("model_prep_s", "compile cache loaded, recipes applied, resumed"),
                 ("loop_prep_s", "compile cache loaded, recipes applied, loader started"),
+                ("warmup_s", "warm-up passes on zeros (the `.aot` file read, autotuning, graph capture)"),
                 ("data_wait_s", "waiting for the dataset built beside them"), ("loader_s", "loader started"),
-                ("first_step_s", "the first optimizer step (the `.aot` file read in it)"))
+                ("first_step_s", "the first optimizer step (without a warm-up: the `.aot` file read, autotuning, graph capture "
+                                 "too)"))
 BRATS = "brats.memory_train_step"
 COUNTERS_BASE = "counters.strict_fp32"
 COUNTERS = ("counters.tf32_channels_last_3d", "counters.shipped")

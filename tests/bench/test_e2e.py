@@ -75,13 +75,19 @@ def test_the_split_is_read_off_the_marks():
     assert sample_split({k: v for k, v in sample.items() if k != "recipes_ready_s"})["recipes_s"] is None  # older code
     assert (split["first_volume_s"], split["per_volume_s"], split["compile_s"]) == (10.0, 2.0, 7.5)
     assert split["write_exposed_s"] == 0.6 and split["sampling_s"] == 17.5
-    train = train_split({"run_start_s": 3.0, "model_built_s": 5.0, "model_ready_s": 8.0, "data_ready_s": 8.5,
-                         "data_build_s": 5.25, "loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0,
-                         "ms_per_step": 120.0, "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57})
+    train_marks = {"run_start_s": 3.0, "model_built_s": 5.0, "model_ready_s": 8.0, "data_ready_s": 8.5,
+                   "data_build_s": 5.25, "loop_start_s": 9.0, "first_step_s": 30.0, "first_step_done_s": 39.0,
+                   "ms_per_step": 120.0, "ms_per_volume": 60.0, "data_wait_pct": 1.5, "steady_steps": 57}
+    train = train_split(train_marks)
     assert (train["imports_s"], train["model_s"], train["model_prep_s"]) == (3.0, 2.0, 3.0)
     assert (train["data_wait_s"], train["data_build_s"], train["loader_s"]) == (0.5, 5.25, 0.5)
     assert (train["time_to_first_step_s"], train["compile_s"], train["ms_per_volume"]) == (39.0, 29.88, 60.0)
     assert train["torch_compile_s"] is None, "a timings.json without Dynamo's counters: no figure, not zero"
+    assert train["warmup_s"] is None  # no compiled stack: no warm-up passes
+    warmed = train_split({**train_marks, "model_ready_s": 6.0, "warmed_up_s": 8.0, "first_step_s": 1.0,
+                          "first_step_done_s": 10.0})
+    assert (warmed["model_prep_s"], warmed["warmup_s"], warmed["data_wait_s"]) == (1.0, 2.0, 0.5)
+    assert warmed["compile_s"] == 2.88, "compiling moved into the warm-up still counts"
 
 
 def test_imports_are_timed_per_package_and_kept_out_of_the_log_tail(tmp_path):

@@ -18,7 +18,7 @@ from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import diffusion_loss
 from med_ddpm.sample import run as run_sample
 from med_ddpm.train import EpochSampler, build, fit
-from optim import UnsupportedRecipeError
+from optim import RecipeStack, UnsupportedRecipeError
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 # A 2-level net on 8^3: the real code path at a size a 2-core CPU trains in a fraction of a second a step.
@@ -135,6 +135,57 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, monkeypatch, recipes):
         for k in a[entry]:
             assert torch.equal(a[entry][k], b[entry][k]), (entry, k)
     assert a["optimizer"]["state"][0]["exp_avg"].equal(b["optimizer"]["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("slow_first_call", [True, False])
+def test_a_compiled_stack_warms_up_on_zeros_before_the_data_wait_and_trains_the_same(tmp_path, monkeypatch,
+                                                                                      slow_first_call):
+    """The warm-up passes (the compiled graphs loaded, autotuned and recorded while the dataset builds) run the
+    first batch's shapes before the loop waits for its data, and leave weights, optimizer and random state as
+    they were: with dropout on, the run ends with the weights of a run without them."""
+    common = ["train.max_steps=2", "train.batch_size=2", "train.grad_accum=1", "data.num_volumes=2",
+              "model.dropout=0.3", "train.lr=1e-3"]
+    plain = build(cfg_for("train", tmp_path / "plain", *common))
+    fit(plain)
+    monkeypatch.setattr(RecipeStack, "slow_first_call", property(lambda self: slow_first_call))
+    job, events, real_loss, real_wait = build(cfg_for("train", tmp_path / "warm", *common)), [], \
+        train_mod.diffusion_loss, train_mod.wait_for_data
+    monkeypatch.setattr(train_mod, "diffusion_loss",
+                        lambda model, schedule, x, cond, **kw: events.append(("loss", x.shape, bool(x.any())))
+                        or real_loss(model, schedule, x, cond, **kw))
+    monkeypatch.setattr(train_mod, "wait_for_data", lambda j: events.append(("wait",)) or real_wait(j))
+    fit(job)
+    warm_up = [("loss", torch.Size([2, 1, 8, 8, 8]), False)] * 2 if slow_first_call else []
+    assert events[:len(warm_up) + 1] == [*warm_up, ("wait",)] and len(events) == len(warm_up) + 3
+    assert ("warmed_up_s" in json.loads((tmp_path / "warm" / "timings.json").read_text())) == slow_first_call
+    for k, v in plain.net.state_dict().items():
+        assert torch.equal(v, job.net.state_dict()[k]), k
+
+
+@pytest.mark.gpu_long
+def test_graphed_training_after_its_warm_up_passes_trains_as_without_them(tmp_path, monkeypatch):
+    """fast_train's stack (CUDA-graph trees) on the tiny model: the warm-up passes record the graphs the steps then
+    replay, and the three steps end where a run without the passes ends (cuDNN's autotuning may pick other
+    algorithms: the two runs differ by far less than the steps moved the weights)."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu-marked test run without CUDA")
+    overrides = ["experiment=fast_train", "model=tiny", "model.image_size=[16,16,16]", "model.channel_mult=[1,2]",
+                 "model.attention_ds=[2]", "device=cuda", "train.max_steps=3", "train.lr=1e-3", "data=synthetic",
+                 "data.num_volumes=2", "paths.compile_cache=null", "train.progress=false"]
+    runs = {}
+    for name, warm in (("warm", True), ("plain", False)):
+        if not warm:
+            monkeypatch.setattr(train_mod, "warm_up", lambda job: False)
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            job = build(compose(config_name="train", overrides=[*overrides, f"output_dir={tmp_path / name}"]))
+        initial = {k: v.detach().clone() for k, v in job.net.state_dict().items()}
+        fit(job)
+        runs[name] = {k: v.detach().float() for k, v in job.net.state_dict().items()}
+        timings = json.loads((tmp_path / name / "timings.json").read_text())
+        assert ("warmed_up_s" in timings) == warm
+    moved = sum((runs["plain"][k] - initial[k].float()).norm() ** 2 for k in initial) ** 0.5
+    apart = sum((runs["warm"][k] - runs["plain"][k]).norm() ** 2 for k in initial) ** 0.5
+    assert apart < 0.05 * moved, (apart, moved)
 
 
 def test_resume_refuses_a_different_model(tmp_path):
