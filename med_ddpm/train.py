@@ -274,7 +274,7 @@ def warm_up(job: Job, passes: int = 2) -> bool:
                 loss = diffusion_loss(job.model, job.schedule, x, cond, t=t, noise=torch.zeros(shape, device=job.device),
                                       loss_type=cfg.diffusion.loss_type)
             loss.backward()
-    job.optimizer.zero_grad(set_to_none=True)
+            job.optimizer.zero_grad(set_to_none=True)  # as a step starts: no gradient accumulates into a graph output
     synchronize(job.device)
     return True
 
