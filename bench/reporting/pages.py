@@ -377,8 +377,17 @@ def workload_table(workload: str, runs: Sequence[Run], gates: dict[str, Gates]) 
     return lines + [""]
 
 
+def code_differs(runs: Sequence[Run]) -> list[str]:
+    """A caution when the GPUs' runs are of different code: the commands' start-up changes with it, not only with
+    the GPU."""
+    if len({tuple(r.commits) for r in runs}) < 2:
+        return []
+    return ["The runs are of different commits: a difference between these columns may come from the code as well "
+            "as from the GPU.", ""]
+
+
 def e2e_side_by_side(runs: Sequence[Run]) -> list[str]:
-    lines = ["## The real commands, from process start", "", captions(runs), "",
+    lines = ["## The real commands, from process start", "", captions(runs), "", *code_differs(runs),
              *header("job", ("", "step beside it, a volume"), runs)]
     for job, (_, what, step) in E2E.items():
         cells = [f"`{job}` ({what}; target {target(job)})"]
