@@ -104,7 +104,7 @@ def save_volume_like(volume: torch.Tensor | np.ndarray, reference: Reference, ou
     payload = img.to_bytes()
     out_path = Path(out_path)
     if out_path.name.endswith(".gz"):
-        payload = gzip.compress(payload, compresslevel=1)  # nibabel's level: 2x faster than 6, 4 % larger for an image
+        payload = gzip.compress(payload, compresslevel=1)  # nibabel's level: half level 6's time, a few % more bytes
     return atomic_write(out_path, lambda f: f.write(payload))
 
 
