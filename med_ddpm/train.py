@@ -265,14 +265,13 @@ def warm_up(job: Job, passes: int = 2) -> bool:
         return False
     cfg, variant = job.cfg, dataset_variant(job.cfg.data)
     shape = (cfg.train.batch_size, variant.image_channels, *cfg.model.image_size)
+    x = job.stack.prepare_input(torch.zeros(shape, device=job.device))
+    cond = job.stack.prepare_input(torch.zeros((shape[0], variant.cond_channels, *shape[2:]), device=job.device))
+    t, noise = torch.zeros(shape[0], dtype=torch.long, device=job.device), torch.zeros(shape, device=job.device)
     with torch.random.fork_rng(devices=[job.device] if job.device.type == "cuda" else []):
         for _ in range(passes):
-            x = job.stack.prepare_input(torch.zeros(shape, device=job.device))
-            cond = job.stack.prepare_input(torch.zeros((shape[0], variant.cond_channels, *shape[2:]), device=job.device))
-            t = torch.zeros(shape[0], dtype=torch.long, device=job.device)
             with job.stack.forward_context():
-                loss = diffusion_loss(job.model, job.schedule, x, cond, t=t, noise=torch.zeros(shape, device=job.device),
-                                      loss_type=cfg.diffusion.loss_type)
+                loss = diffusion_loss(job.model, job.schedule, x, cond, t=t, noise=noise, loss_type=cfg.diffusion.loss_type)
             loss.backward()
             job.optimizer.zero_grad(set_to_none=True)  # as a step starts: no gradient accumulates into a graph output
     synchronize(job.device)
