@@ -8,12 +8,12 @@
   verdicts, the shipped stack's two speed-ups and the real commands.
 * ``docs/results/gpus.md`` (:func:`gpus_page`): the GPUs side by side, and above them one sentence per workload
   generated from the same numbers: which GPU runs each stack faster and by how much, and how the shipped stack's
-  speed-up differs. A ratio within :data:`SAME` of 1 is said to be the same, since repeated runs of one job differ
-  by a few percent.
+  speed-up differs. The sentences name ratios only; the times stand in the table below them. A ratio within :data:`SAME` of 1 is
+  said to be the same, since repeated runs of one job differ by a few percent.
 
 Every figure is read from a row of the run the page names (:class:`bench.reporting.evidence.Run`), every speed-up
-divides two times of that run, and each table names its run and commit. A job without an ``ok`` row shows its
-status (an ``unsupported`` row its reason) and no ratio. :func:`publish` chooses each folder's run and renders every
+divides two times of that run, and each page names its runs and commits once, at its top (the side-by-side page
+above its step table). A job without an ``ok`` row shows its status (an ``unsupported`` row its reason) and no ratio. :func:`publish` chooses each folder's run and renders every
 page before the first is written, so a refusal leaves every page as it was.
 """
 
@@ -118,7 +118,7 @@ def readme_table(run: Run, gates: Gates, readme_dir: Path, page: Path) -> str:
 
 def step_table(run: Run, gates: Gates, page_dir: Path) -> list[str]:
     """Every step job of the contract: time, spread, calls timed, per volume, both speed-ups, memory, verdict."""
-    lines = [f"{run.caption()}.", "", "| job | time | p10 – p90 | calls timed | a volume | vs strict_fp32 | "
+    lines = ["| job | time | p10 – p90 | calls timed | a volume | vs strict_fp32 | "
              "vs torch_defaults | peak GiB | quality |", "|" + " --- |" * 9]
     for workload, what in WORKLOADS.items():
         for stack in STACKS:
@@ -128,7 +128,8 @@ def step_table(run: Run, gates: Gates, page_dir: Path) -> list[str]:
             if row is None:
                 lines.append(f"| {name} | {run.status_note(job)} |" + " |" * 7)
                 continue
-            spread = f"{fmt_ms(row.get('ms_p10'))} – {fmt_ms(row.get('ms_p90'))}" if row.get("ms_p10") else ""
+            several = row.get("ms_p10") and (row.get("iters") or 2) > 1  # one call timed has no spread
+            spread = f"{fmt_ms(row.get('ms_p10'))} – {fmt_ms(row.get('ms_p90'))}" if several else ""
             mem = sig(row["peak_mem_gib"], 3) if row.get("peak_mem_gib") is not None else ""
             lines.append(f"| {name} | {fmt_ms(run.ms(job))} | {spread} | {row.get('iters') or ''} | "
                          f"{fmt_ms(run.ms_per_volume(job))} | {fmt_x(run.speedup(job, BASELINES[0]))} | "
@@ -154,7 +155,7 @@ def target_cell(run: Run, job: str) -> str:
 
 def e2e_table(run: Run) -> list[str]:
     """The real commands' figures, each beside its target and the step benchmark of the same stack in the same run."""
-    lines = [f"{run.caption()}.", "", "| job | what | figure | target | the step benchmark beside it |",
+    lines = ["| job | what | figure | target | the step benchmark beside it |",
              "|" + " --- |" * 5]
     for job, (_, what, step) in E2E.items():
         beside = run.ms_per_volume(step)
@@ -201,7 +202,7 @@ def startup_tables(run: Run) -> list[str]:
 
 def brats_table(run: Run) -> list[str]:
     row = run.ok(BRATS)
-    lines = [f"{run.caption()}.", "", "| job | recipes | a volume | peak GiB |", "| --- | --- | --- | --- |"]
+    lines = ["| job | recipes | a volume | peak GiB |", "| --- | --- | --- | --- |"]
     if row is None:
         return lines + [f"| `{BRATS}` | {run.status_note(BRATS)} | | |", ""]
     mem = sig(row["peak_mem_gib"], 3) if row.get("peak_mem_gib") is not None else ""
@@ -212,7 +213,7 @@ def brats_table(run: Run) -> list[str]:
 def counters_table(run: Run) -> list[str]:
     """The counters factors of each stack against the run's strict FP32, under the study's A100 claims."""
     base = run.ok(COUNTERS_BASE)
-    lines = [f"{run.caption()}.", "", "| stack | " + " | ".join(COUNTER_COLUMNS) + " |", "|" + " --- |" * 6,
+    lines = ["| stack | " + " | ".join(COUNTER_COLUMNS) + " |", "|" + " --- |" * 6,
              study_line()]
     for job in (COUNTERS_BASE, *COUNTERS):
         if run.ok(job) is None or base is None:
@@ -240,7 +241,7 @@ def time_table(run: Run) -> list[str]:
         if wall is not None:
             spans.setdefault(float(wall), []).append(job)
     total = sum(spans)
-    lines = [f"{run.caption()}.", "", "| rows of one measurement | wall s |", "| --- | --- |"]
+    lines = ["| rows of one measurement | wall s |", "| --- | --- |"]
     lines += [f"| {job_list(jobs)} | {wall:.1f} |" for wall, jobs in spans.items()]
     lines += [f"| all {len(spans)} | {total:.1f} ({total / 60:.1f} min) |", ""]
     launches: dict[str, float] = {}
@@ -388,7 +389,7 @@ def code_differs(runs: Sequence[Run]) -> list[str]:
 
 
 def e2e_side_by_side(runs: Sequence[Run]) -> list[str]:
-    lines = ["## The real commands, from process start", "", captions(runs), "", *code_differs(runs),
+    lines = ["## The real commands, from process start", "", *code_differs(runs),
              *header("job", ("", "step beside it, a volume"), runs)]
     for job, (_, what, step) in E2E.items():
         cells = [f"`{job}` ({what}; target {target(job)})"]
@@ -400,7 +401,7 @@ def e2e_side_by_side(runs: Sequence[Run]) -> list[str]:
 
 
 def brats_side_by_side(runs: Sequence[Run]) -> list[str]:
-    lines = ["## BraTS, the memory stack", "", captions(runs), "", f"| GPU | `{BRATS}`, a volume | peak GiB |",
+    lines = ["## BraTS, the memory stack", "", f"| GPU | `{BRATS}`, a volume | peak GiB |",
              "| --- | --- | --- |"]
     for r in runs:
         row = r.ok(BRATS)
@@ -410,7 +411,7 @@ def brats_side_by_side(runs: Sequence[Run]) -> list[str]:
 
 
 def counters_side_by_side(runs: Sequence[Run]) -> list[str]:
-    lines = ["## Hardware counters against the study's A100 claims", "", captions(runs), "",
+    lines = ["## Hardware counters against the study's A100 claims", "",
              "Nsight Compute on the 128³ sampler step, library kernels; factors against each GPU's own "
              f"`{COUNTERS_BASE}`.", "", "| GPU · stack | " + " | ".join(COUNTER_COLUMNS) + " |", "|" + " --- |" * 6,
              study_line()]
