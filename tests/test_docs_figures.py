@@ -17,7 +17,8 @@ A bare integer (``32 masks``, ``250 steps``, ``N = 32``) is no figure. A figure 
 * its block (a paragraph, a list item, or a table row with the paragraph above the table) links to a committed file
   under ``bench/results/`` or to a generated page, and a number of that file shows it: rounded to the digits
   printed, read in the figure's unit from the file's (seconds, milliseconds or minutes; a fraction or a percentage;
-  GiB or MiB). A link to a folder, or to its ``README.md``, stands for the text files directly in that folder; or
+  GiB or MiB). A link to a folder, or to its ``README.md``, stands for the text files directly in that folder (a big
+  rows file holds many numbers: link the narrowest file that holds the figure); or
 * it is a setting: unitless, a percentage or GiB, its value is a number of a file under ``configs/`` (a threshold,
   an alpha, a memory cap). A duration or a ratio is always a measurement.
 
