@@ -3,11 +3,13 @@
 Example:
     python -m bench.sweep -m 'recipe=[],[tf32],[channels_last_3d],[amp_bf16]' bench=train_step
     python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[amp_bf16]'        # CPU, tiny
+    python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[channels_last_3d]' logger=wandb  # + a W&B run each
     python -m bench.sweep -m hydra/sweeper=optuna_pareto bench=full_sample bench.quality=true
 
 Every job is measured in a fresh subprocess (:mod:`bench.core.worker`), so jobs cannot leak global
 state into each other and an OOM/NaN/crash becomes a row, and appended to
-``<sweep_dir>/results.jsonl`` (:mod:`bench.core.records`).
+``<sweep_dir>/results.jsonl`` (:mod:`bench.core.records`). With ``logger=wandb`` each row, once written, is also
+one W&B run (:mod:`bench.core.wandb_runs`), offline in the job's folder unless ``logger.mode=online``.
 
 Each launch is one run: the :class:`EnsureBaseline` callback (wired in ``configs/bench.yaml``)
 starts a new run id before the first job, so every row of the launch carries it, and a sweep
