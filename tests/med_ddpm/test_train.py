@@ -348,3 +348,16 @@ def test_a_resumed_run_continues_its_wandb_run_grouped_by_the_experiment(tmp_pat
     assert first["group"] == resumed["group"] == "quality_model"
     assert resumed["summary"]["step"] == 3 and math.isfinite(resumed["summary"]["loss"])
     assert resumed["summary"]["timings"] == json.loads((tmp_path / "timings.json").read_text())
+
+
+@pytest.mark.e2e
+def test_sample_with_logger_wandb_makes_one_run_of_its_timings_and_montages(trained, tmp_path, wandb_offline):
+    from med_ddpm import sample
+
+    sample.main(cfg_for("sample", tmp_path / "out", f"checkpoint={trained}", "sampler=ddim", "sampler.steps=2",
+                        "logger=wandb", "mask_workers=0"))
+    (run,) = wandb_offline(tmp_path / "out")
+    assert (run["name"], run["job_type"]) == ("out", "sample")
+    assert run["summary"]["volumes"] == len(list((tmp_path / "out").glob("*.nii.gz"))) > 0
+    assert run["summary"]["total_s"] == json.loads((tmp_path / "out" / "timings.json").read_text())["total_s"]
+    assert list((tmp_path / "out" / "wandb").rglob("files/media/images/samples/*.png"))
