@@ -6,6 +6,7 @@ Example (Hydra overrides of ``configs/ladder.yaml``):
     python -m bench.ladder preset=targets out=results/h200 budget_s=540   # stop starting jobs after 9 min
     python -m bench.ladder preset=gpu out=results/h200 'best=[amp_bf16,compile]'  # choose the "best stack"
     python -m bench.ladder preset=smoke out=results/smoke          # tiny CPU ladder
+    python -m bench.ladder preset=smoke out=results/smoke logger=wandb  # and one offline W&B run per job
     python -m bench.ladder preset=core out=results/h200 dry_run=true   # list the jobs and their status
     python -m bench.ladder preset=core out=results/h200 refresh=compile  # re-measure after a code change
     python -m bench.ladder preset=core out=results/h200 only=full_sample  # just the jobs a regex names
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from bench import evidence
 from bench.core import presets
@@ -48,6 +49,7 @@ from bench.quality.training import visible_gpus
 from bench.quality.training_report import write_training_report
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError, check_int, check_number
+from med_ddpm.tracking import check_logger, refuse_wandb
 
 
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
@@ -133,13 +135,16 @@ def run(cfg: DictConfig) -> int:
     if cfg.budget_s is not None:
         check_number(cfg, "budget_s", 0.0)
     if cfg.preset in COMMAND_PRESETS:
+        refuse_wandb(cfg.logger, f"preset={cfg.preset}", f"publish its rows later: bench.report dir={cfg.out} wandb=true")
         return COMMAND_PRESETS[cfg.preset](cfg)
+    wandb = check_logger(cfg.logger)
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
     jobs = ladder_jobs(cfg)
     if not cfg.dry_run:
         require_gpu(cfg.preset)  # after the options: a bad one is named on any machine
     # only= runs just the jobs it names: the missing baselines are not among them
-    return run_ladder(Path(cfg.out), jobs, budget_s, cfg.dry_run, cfg.refresh, complete_baselines=not cfg.only)
+    return run_ladder(Path(cfg.out), jobs, budget_s, cfg.dry_run, cfg.refresh, complete_baselines=not cfg.only,
+                      logger=OmegaConf.to_container(cfg.logger, resolve=True) if wandb else None)
 
 
 @hydra.main(config_path="../configs", config_name="ladder", version_base="1.3")

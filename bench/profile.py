@@ -53,6 +53,7 @@ from bench.sweep import sweep_dir_of
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.run_clock import synchronize
+from med_ddpm.tracking import refuse_wandb
 from med_ddpm.utils import atomic_write_text, env_info, resolve_device
 
 SLUG_MAX = 160  # file names: 255 bytes at most, and atomic_write adds a dot, a random part and .json.tmp
@@ -313,6 +314,7 @@ def ncu_markdown(record: dict) -> str:
 @hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
+    refuse_wandb(cfg.logger, "bench.profile", "profile.json and the markdown are its record")
     hc = HydraConfig.get()
     job = job_spec(cfg, hc.runtime.choices.get("model") or "model")
     config = job["config"]

@@ -2,7 +2,7 @@
 
 Example:
     python -m bench.report dir=results/bench/2026-01-01_12-00-00
-    python -m bench.report dir=results/h200 wandb=true     # also a W&B Table + the PNGs
+    python -m bench.report dir=results/h200 wandb=true     # also each row not yet logged as an offline W&B run
     python -m bench.report publish=true                    # the evidence pages: docs/results/*.md, README table
     python -m bench.report dir=bench/results/h200 publish=true   # docs/results/h200.md alone
 
@@ -61,12 +61,14 @@ from bench.core.records import (
     read_results,
     recipe_label,
 )
+from bench.core.wandb_runs import publish_unlogged
 from bench.quality.training_report import write_training_report
 from bench.reporting.evidence import env_summary
 from bench.reporting.pages import from_config as publish_from_config
 from bench.reporting.verdicts import gate_notes
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.tracking import LOGGED_FILE, check_logger
 from med_ddpm.utils import atomic_write_text, save_figure
 
 COLUMNS = ("scenario", "model", "batch_size", "grad_accum", "world_size", "sampler", "steps", "recipes", "status", "ms_median", "ms_p10",
@@ -388,17 +390,6 @@ def plot_throughput(table: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-def log_wandb(table: list[dict[str, Any]], images: list[Path], sweep_dir: Path) -> None:
-    """Rows as a W&B Table, PNGs as images (wandb imported only here)."""
-    import wandb
-
-    run = wandb.init(project="med-ddpm-bench", job_type="bench-report", name=sweep_dir.name)
-    columns = [*COLUMNS, "has_baseline", "headline"]
-    run.log({"bench/results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in table])})
-    run.log({f"bench/{p.stem}": wandb.Image(str(p)) for p in images})
-    run.finish()
-
-
 QUALITY_HEADER = ("| check | kind | status | value | p-value | null q05 / q50 / q95 | pass / warn or fail limit |\n"
                   "| --- | --- | --- | --- | --- | --- | --- |")
 
@@ -435,8 +426,10 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
     return "\n".join(lines)
 
 
-def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False) -> Path:
-    """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path."""
+def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False,
+                 wandb_mode: str = "offline") -> Path:
+    """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path. ``wandb``: also log each
+    row not logged yet as its own W&B run (:mod:`bench.core.wandb_runs`)."""
     rows, skipped = read_results(sweep_dir)
     e2e_page = write_e2e_page(sweep_dir, rows)  # the real commands' rows have their own columns
     rows = [row for row in rows if not row.get("e2e")]
@@ -454,7 +447,9 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     write_training_report(sweep_dir)
     md = atomic_write_text(sweep_dir / "report.md", markdown)
     if wandb:
-        log_wandb(table, images, sweep_dir)
+        published = publish_unlogged(sweep_dir, rows, wandb_mode)
+        print(f"W&B: {len(published)} row(s) logged as runs ({wandb_mode}) in {sweep_dir / 'wandb'}; rows logged "
+              f"before are listed in {sweep_dir / LOGGED_FILE}")
     return md
 
 
@@ -475,7 +470,10 @@ def main(cfg: DictConfig) -> None:
     if cfg.publish:
         print("\n".join(publish_from_config(cfg)))
         return
-    print(write_report(results_folder(cfg), cfg.metric, cfg.wandb))
+    folder = results_folder(cfg)
+    if cfg.wandb:
+        check_logger({"name": "wandb", "mode": cfg.wandb_mode, "dir": str(folder)})
+    print(write_report(folder, cfg.metric, cfg.wandb, cfg.wandb_mode))
 
 
 if __name__ == "__main__":

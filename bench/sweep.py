@@ -3,11 +3,13 @@
 Example:
     python -m bench.sweep -m 'recipe=[],[tf32],[channels_last_3d],[amp_bf16]' bench=train_step
     python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[amp_bf16]'        # CPU, tiny
+    python -m bench.sweep -m experiment=bench_smoke 'recipe=[],[channels_last_3d]' logger=wandb  # + a W&B run each
     python -m bench.sweep -m hydra/sweeper=optuna_pareto bench=full_sample bench.quality=true
 
 Every job is measured in a fresh subprocess (:mod:`bench.core.worker`), so jobs cannot leak global
 state into each other and an OOM/NaN/crash becomes a row, and appended to
-``<sweep_dir>/results.jsonl`` (:mod:`bench.core.records`).
+``<sweep_dir>/results.jsonl`` (:mod:`bench.core.records`). With ``logger=wandb`` each row, once written, is also
+one W&B run (:mod:`bench.core.wandb_runs`), offline in the job's folder unless ``logger.mode=online``.
 
 Each launch is one run: the :class:`EnsureBaseline` callback (wired in ``configs/bench.yaml``)
 starts a new run id before the first job, so every row of the launch carries it, and a sweep
@@ -33,12 +35,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from bench.core.records import RESULTS_FILE, append_row
-from bench.core.runner import job_spec, log_row
+from bench.core.runner import job_spec, keep
 from bench.core.worker import run_job
 from med_ddpm import cli
 from med_ddpm.config_checks import check_device, check_int, check_model_size, check_number
 from med_ddpm.samplers import check_sampler
+from med_ddpm.tracking import check_logger
 from med_ddpm.utils import resolve_device
 from optim import RecipeStack
 
@@ -53,11 +55,9 @@ def quality_objective(row: dict[str, Any], metric: str) -> float:
 
 
 def record(job: dict[str, Any], sweep_dir: Path, job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Run one job in a subprocess and append its row to the sweep's results file."""
-    row = run_job(job, job_dir, timeout_s)
-    append_row(sweep_dir / RESULTS_FILE, row)
-    log_row(row)
-    return row
+    """Run one job in a subprocess and append its row to the sweep's results file (and, with ``logger=wandb``,
+    make it a W&B run)."""
+    return keep(sweep_dir, run_job(job, job_dir, timeout_s))
 
 
 def sweep_dir_of(hydra_cfg: Any) -> Path:
@@ -78,6 +78,7 @@ def check_options(cfg: DictConfig) -> None:
     check_model_size(cfg)
     check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion)
+    check_logger(cfg.logger)
     stack = RecipeStack.from_config(cfg.get("recipe"))  # a pair that cannot be combined: one line, not an error row
     if inert := stack.inert(resolve_device(cfg.device)):
         log.warning("%s: inert on this device (it changes nothing here); the row gets no speed-up", ", ".join(inert))

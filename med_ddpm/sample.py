@@ -6,7 +6,8 @@ the weights). For every mask it writes ``<mask name>.nii.gz`` (``_k`` suffixes w
 (image | mask overlay). Fewer steps: ``sampler=ddim sampler.steps=50`` (or dpm_solver_pp, deis).
 Recipes apply as in training: ``'recipe=[tf32,amp_bf16]'``; compiled ones load and save the compile cache
 (``paths.compile_cache``, :mod:`med_ddpm.compile_cache`). A volume's files are written while the next mask
-samples, and ``<output_dir>/timings.json`` says where the time went (docs/end-to-end.md).
+samples, and ``<output_dir>/timings.json`` says where the time went (docs/end-to-end.md); ``logger=wandb`` makes
+it the summary of one W&B run that shows the montages.
 
 Multi-GPU: ``torchrun --nproc_per_node=N -m med_ddpm.sample ...`` gives rank r the masks
 r, r+N, ...; each output is written once, by the rank that owns its mask. Mask i's noise comes
@@ -19,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections import deque
@@ -30,7 +32,7 @@ from typing import Any, TypeVar
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from med_ddpm import cli, distributed
 from med_ddpm.checkpoint import Loaded, load_checkpoint
@@ -47,9 +49,10 @@ from med_ddpm.data.datasets import load_condition
 from med_ddpm.data.masks import list_masks, native_size, sampling_geometry
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import save_montage_png, save_volume_like
-from med_ddpm.run_clock import RunClock, synchronize
+from med_ddpm.run_clock import TIMINGS_FILE, RunClock, synchronize
 from med_ddpm.samplers import check_sampler, model_input, sample, sampler_from_config
 from med_ddpm.samplers.tuned import use_tuned
+from med_ddpm.tracking import build_tracker, check_logger, log_images
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
 
@@ -314,6 +317,7 @@ def check_options(cfg: DictConfig) -> None:
         use_tuned(cfg)
     check_int(cfg, "num_samples", 1)
     check_int(cfg, "mask_workers", 0)
+    check_logger(cfg.logger)
     check_int(cfg, "seed", 0)
     check_sampler(cfg.sampler, cfg.diffusion, steps=False)  # the steps' range: the checkpoint's schedule's
     seg_labels = cfg.data.get("seg_labels", "auto")
@@ -332,6 +336,15 @@ def check_output_dir(out_dir: Path) -> None:
                           "choose another output_dir=, or remove them")
 
 
+def log_run(cfg: DictConfig, out_dir: Path) -> None:
+    """With ``logger=wandb``: one run, timings.json as its summary and the samples' PNG montages as images."""
+    tracker = build_tracker(cfg.logger, OmegaConf.to_container(cfg, resolve=True), name=out_dir.name,
+                            job_type="sample")
+    tracker.summarize(json.loads((out_dir / TIMINGS_FILE).read_text(encoding="utf-8")))
+    log_images(tracker, "samples", sorted(out_dir.glob("*.png")))
+    tracker.finish()
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="sample", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
@@ -340,6 +353,7 @@ def main(cfg: DictConfig) -> None:
     written = run(cfg)
     total = sum(distributed.all_gather_object(len(written)))  # also waits for every rank's files
     if distributed.is_main():
+        log_run(cfg, Path(cfg.output_dir))
         print(f"{total} samples (NIfTI + PNG) in {Path(cfg.output_dir).resolve()}")
     distributed.cleanup()
 

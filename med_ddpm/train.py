@@ -32,6 +32,7 @@ from typing import Any
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Sampler
@@ -57,7 +58,7 @@ from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_
 from med_ddpm.model import UNet3D, build_model
 from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator, synchronize
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
-from med_ddpm.tracking import build_tracker
+from med_ddpm.tracking import check_logger, finish_training, training_tracker
 from med_ddpm.train_state import Job, TrainState, restore_state, resume_path, save_state
 from med_ddpm.utils import append_line, seed_everything
 from optim import RecipeStack
@@ -133,11 +134,11 @@ def fit(job: Job) -> dict[str, Any]:
     if rank0:
         reserved = torch.cuda.max_memory_reserved(job.device) / 2**30 if job.device.type == "cuda" else None
         check_cap_held(cfg.get("memory_cap_gib"), reserved)
-        timer.write(job.out_dir, compile_cache=cache_status(cache), precompiled=precompiled_report(job.net),
-                    recipes=job.stack.names,
-                    peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
-                    memory_cap_gib=cfg.get("memory_cap_gib"))
-    job.tracker.finish()
+        timings = timer.write(job.out_dir, compile_cache=cache_status(cache), precompiled=precompiled_report(job.net),
+                              recipes=job.stack.names,
+                              peak_mem_gib=summary.get("peak_mem_gib"), peak_reserved_gib=reserved,
+                              memory_cap_gib=cfg.get("memory_cap_gib"))
+        finish_training(job.tracker, summary, timings)
     return summary
 
 
@@ -248,10 +249,16 @@ def build(cfg: DictConfig) -> Job:
         stack=stack,
         optimizer=torch.optim.Adam(net.parameters(), lr=cfg.train.lr, **stack.optimizer_options()),
         scaler=stack.grad_scaler(device.type),
-        tracker=build_tracker(cfg.get("logger") if rank0 else None, config=resolved),
+        tracker=training_tracker(cfg.get("logger") if rank0 else None, resolved, out_dir, cfg.get("resume"),
+                                 experiment_name()),
         out_dir=out_dir,
         clock=clock,
     )
+
+
+def experiment_name() -> str | None:
+    """The ``experiment=`` chosen (the W&B run's default group), None outside a Hydra run or without one."""
+    return HydraConfig.get().runtime.choices.get("experiment") if HydraConfig.initialized() else None
 
 
 def warm_up(job: Job, passes: int = 2) -> bool:
@@ -395,6 +402,7 @@ def check_options(cfg: DictConfig) -> None:
     check_number(cfg, "train.ema_decay", 0.0, 1.0)
     if "log_every" in cfg.logger:
         check_int(cfg, "logger.log_every", 1)
+    check_logger(cfg.logger)
     check_model_size(cfg)
     check_device(cfg)
     check_sampler(cfg.sampler, cfg.diffusion)

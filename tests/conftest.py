@@ -48,3 +48,64 @@ def torch_threads():
     torch.set_num_threads(TORCH_THREADS)
     yield
     torch.set_num_threads(1)
+
+
+def read_wandb_runs(folder: Path) -> list[dict]:
+    """Every offline W&B run under ``folder``, read back from its ``run-<id>.wandb`` file with W&B's own record
+    protobuf: the file is W&B's LevelDB-style log (a 7-byte ``:W&B`` header, then 32 KiB blocks of records, each a
+    7-byte header: CRC32C, length, type 1 full / 2 first / 3 middle / 4 last). Returns, per run, its id, name,
+    group, job_type, config and summary (JSON values) and exit code."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    def records(data: bytes):
+        pos, block, chunks = 7, 32768, b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunks += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                yield chunks
+                chunks = b""
+
+    def items(update) -> dict:
+        return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in update}
+
+    runs = []
+    for path in sorted(folder.rglob("offline-run-*/run-*.wandb")):
+        run = {"config": {}, "summary": {}, "exit_code": None}
+        for raw in records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                r = record.run
+                run.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type)
+                run["config"].update(items(r.config.update))
+            elif kind == "config":
+                run["config"].update(items(record.config.update))
+            elif kind == "summary":
+                run["summary"].update(items(record.summary.update))
+            elif kind == "exit":
+                run["exit_code"] = record.exit.exit_code
+        runs.append(run)
+    return runs
+
+
+@pytest.fixture
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """W&B offline, its settings, cache and data folders in the test's tmp_path (nothing reaches the network or
+    $HOME), here and in the commands a test starts; returns :func:`read_wandb_runs`."""
+    home = tmp_path / "wandb_home"
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(home / name.lower()))
+    monkeypatch.setenv("WANDB_DIR", str(home))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return read_wandb_runs

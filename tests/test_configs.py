@@ -105,16 +105,16 @@ def test_data_configs_instantiate(shared_dir):
     assert len(build_dataset(compose_cfg("train", []).data, [32, 32, 32])) == 8
 
 
-def test_logger_configs_build_their_trackers(monkeypatch):
+def test_logger_configs_build_their_trackers(monkeypatch, tmp_path):
     """logger=none builds the no-op tracker; logger=wandb a W&B run, offline, in the run's output folder."""
     from med_ddpm import tracking
 
     assert type(tracking.build_tracker(compose_cfg("train", ["logger=none"]).logger)) is tracking.Tracker
     started = {}
     monkeypatch.setattr(tracking.WandbTracker, "__init__", lambda self, cfg, config: started.update(cfg=cfg))
-    cfg = compose_cfg("train", ["logger=wandb", "output_dir=/tmp/run"])
+    cfg = compose_cfg("train", ["logger=wandb", f"output_dir={tmp_path}"])
     assert type(tracking.build_tracker(cfg.logger)) is tracking.WandbTracker
-    assert (started["cfg"]["mode"], started["cfg"]["dir"]) == ("offline", "/tmp/run")
+    assert (started["cfg"]["mode"], started["cfg"]["dir"]) == ("offline", str(tmp_path))
 
 
 def test_every_recipe_config_builds_its_recipe_with_every_option_it_sets():

@@ -204,12 +204,14 @@ def provenance() -> dict[str, Any]:
     return stamped or {"git_sha": UNKNOWN, "dirty": None}
 
 
-def append_row(path: str | Path, row: dict[str, Any]) -> None:
-    """Append ``row`` as one JSON line (flush + fsync), stamped with this run's id and provenance."""
+def append_row(path: str | Path, row: dict[str, Any]) -> dict[str, Any]:
+    """Append ``row`` as one JSON line (flush + fsync), stamped with this run's id and provenance; returns the row
+    as the file holds it."""
     if row.get("status") not in STATUSES:
         raise ValueError(f"results row has status {row.get('status')!r}; expected one of {STATUSES}")
-    row = {"run_id": run_id(), **provenance(), **row}
-    append_line(path, json.dumps(row, sort_keys=True, default=str))
+    line = json.dumps({"run_id": run_id(), **provenance(), **row}, sort_keys=True, default=str)
+    append_line(path, line)
+    return json.loads(line)
 
 
 def read_results(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:

@@ -35,6 +35,7 @@ from bench.core.records import (
     read_rows,
     recipe_label,
 )
+from bench.core.wandb_runs import log_job
 from bench.core.worker import base_row, cut_by_budget, run_job
 from med_ddpm import cli
 from med_ddpm.cli import CONFIG_DIR
@@ -82,6 +83,15 @@ def log_row(row: dict[str, Any]) -> None:
              row["batch_size"], row["status"], f"{ms:.3f} ms" if ms else row["message"].splitlines()[0])
 
 
+def keep(out: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """Append ``row`` to ``out/results.jsonl``, log it, then make it a W&B run when its job's ``logger`` says so
+    (after the row is written: a W&B failure never loses it); returns the row as written."""
+    row = append_row(out / RESULTS_FILE, row)
+    log_row(row)
+    log_job(row, out)
+    return row
+
+
 class EnsureBaseline(Callback):
     """A new run id per launch; after it, measure the strict-FP32 baseline of every workload of the
     run that lacks one."""
@@ -121,8 +131,7 @@ class EnsureBaseline(Callback):
                 log.info("time budget ran out during the strict-FP32 baseline of %s batch=%s: no row, "
                          "rerun to measure it", row["scenario"], row["batch_size"])
                 continue
-            append_row(sweep_dir / RESULTS_FILE, measured)
-            log_row(measured)
+            keep(sweep_dir, measured)
 
 
 def recipe_override(stack: Sequence[str]) -> str:
@@ -209,7 +218,7 @@ def finished_jobs(out: Path, refresh: str | None) -> tuple[set[str], set[str]]:
 
 
 def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = False, refresh: str | None = None,
-               complete_baselines: bool = True) -> int:
+               complete_baselines: bool = True, logger: dict[str, Any] | None = None) -> int:
     """Run the jobs not yet in ``out/results.jsonl`` until the budget is spent; return jobs left.
 
     A speed-up is only ever against the strict-FP32 row of the same run (one launch), so before the first job
@@ -220,11 +229,15 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
 
     ``refresh``: a regex over a job's overrides; matching jobs rerun unless this code measured them.
     ``complete_baselines``: spend what is left of the budget on strict-FP32 baselines the results miss.
+    ``logger``: every job's ``logger`` node (``wandb``: each row is a W&B run, :mod:`bench.core.wandb_runs`).
     """
     out.mkdir(parents=True, exist_ok=True)
     done, current = finished_jobs(out, refresh)
     start, left = time.monotonic(), 0
     specs = {n: compose_job(o, out / "jobs" / f"{n:03d}") for n, o in enumerate(jobs) if not missing_recipes(o)}
+    if logger is not None:
+        for spec in specs.values():
+            spec["config"]["logger"] = logger
     baselines = {baseline_key(base_row(spec)): n for n, spec in specs.items() if is_baseline(base_row(spec))}
     measured: set[str] = set()  # workloads whose baseline this launch measured
     ran: set[int] = set()  # jobs this launch measured
@@ -238,8 +251,7 @@ def run_ladder(out: Path, jobs: list[Job], budget_s: float, dry_run: bool = Fals
         if cut_by_budget(row, timeout, full, budget_s):
             print(f"[cut] {' '.join(jobs[n])}: the time budget ran out; rerun to measure it")
             return False
-        append_row(out / RESULTS_FILE, row)
-        log_row(row)
+        row = keep(out, row)
         ran.add(n)
         if is_baseline(row):
             measured.add(baseline_key(row))

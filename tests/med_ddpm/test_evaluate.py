@@ -177,3 +177,20 @@ def test_one_volume_a_side_skips_what_needs_two(folders, tmp_path, whole_head):
     assert m["distribution"]["fid"] == {"value": None, "skipped": "needs >= 2 volumes in each folder"}
     assert "kid" not in m["distribution"] and m["paired"]["n"] == 1 and m["paired"]["ssim"] == pytest.approx(1.0)
     assert "not computed: needs >= 2 volumes" in (tmp_path / "out" / "summary.md").read_text()
+
+
+@pytest.mark.e2e
+def test_logger_wandb_makes_one_offline_run_of_the_metrics(folders, tmp_path, wandb_offline):
+    """metrics.json is the run's summary and the montage is logged as an image, read back from the offline run."""
+    from med_ddpm.evaluate import main
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        main(compose("evaluate", overrides=[f"output_dir={tmp_path / 'out'}", f"real={folders / 'real'}",
+                                            f"generated={folders / 'close'}", "n_perm=200", "max_pairs=3",
+                                            "progress=false", "logger=wandb"]))
+    (run,) = wandb_offline(tmp_path / "out")
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert (run["name"], run["job_type"], run["config"]["real"]) == ("out", "evaluate", str(folders / "real"))
+    assert run["summary"]["n_generated"] == metrics["n_generated"]
+    assert run["summary"]["distribution"] == metrics["distribution"]
+    assert list((tmp_path / "out" / "wandb").rglob("files/media/images/evaluate/montage*.png"))

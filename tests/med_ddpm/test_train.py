@@ -323,3 +323,41 @@ def test_tiny_brats_trains_a_step_on_a_cpu(tmp_path):
     assert cfg.train.grad_accum == 2 and cfg.train.divide_loss_by_batch_size
     assert job.dataset[0]["image"].shape == (4, 24, 32, 32)
     assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["config"]["model"]["out_channels"] == 4
+
+
+@pytest.mark.e2e
+def test_a_resumed_run_continues_its_wandb_run_grouped_by_the_experiment(tmp_path, wandb_offline, monkeypatch):
+    """resume=auto continues the W&B run whose id sits beside the checkpoints; the run is grouped by the
+    experiment; its summary carries the final loss and timings.json."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored (no Hydra run) after the test
+    for steps, resume in ((2, []), (3, ["resume=auto"])):
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            cfg = compose(config_name="train", return_hydra_config=True, overrides=[
+                "experiment=quality_model", *SMALL, "train.progress=false", f"output_dir={tmp_path}", "logger=wandb",
+                f"train.max_steps={steps}", "train.grad_accum=1", "train.sample_every=0", "data.num_volumes=2",
+                "train.ema_start=0", *resume])
+        HydraConfig.instance().set_config(cfg)  # the experiment chosen, as a Hydra run reads it
+        with open_dict(cfg):
+            del cfg["hydra"]
+        fit(build(cfg))
+    first, resumed = sorted(wandb_offline(tmp_path), key=lambda run: run["summary"].get("step", 0))
+    assert first["id"] == resumed["id"] == (tmp_path / "checkpoints" / "wandb_run_id").read_text()
+    assert first["group"] == resumed["group"] == "quality_model"
+    assert resumed["summary"]["step"] == 3 and math.isfinite(resumed["summary"]["loss"])
+    assert resumed["summary"]["timings"] == json.loads((tmp_path / "timings.json").read_text())
+
+
+@pytest.mark.e2e
+def test_sample_with_logger_wandb_makes_one_run_of_its_timings_and_montages(trained, tmp_path, wandb_offline):
+    from med_ddpm import sample
+
+    sample.main(cfg_for("sample", tmp_path / "out", f"checkpoint={trained}", "sampler=ddim", "sampler.steps=2",
+                        "logger=wandb", "mask_workers=0"))
+    (run,) = wandb_offline(tmp_path / "out")
+    assert (run["name"], run["job_type"]) == ("out", "sample")
+    assert run["summary"]["volumes"] == len(list((tmp_path / "out").glob("*.nii.gz"))) > 0
+    assert run["summary"]["total_s"] == json.loads((tmp_path / "out" / "timings.json").read_text())["total_s"]
+    assert list((tmp_path / "out" / "wandb").rglob("files/media/images/samples/*.png"))

@@ -232,3 +232,22 @@ def test_another_tuning_in_the_output_dir_is_refused(passed, checkpoint, cache, 
     line = refusal(capsys, tune.main, compose_tune(checkpoint, passed, cache, *PASS, "search.seed=5"))
     assert line == (f"output_dir={passed}: holds a tuning with another search (tune.json); choose another "
                     "output_dir=, or remove it")
+
+
+@pytest.mark.e2e
+def test_logger_wandb_makes_each_budget_one_offline_run_once(failed, checkpoint, cache, tmp_path, wandb_offline):
+    """A finished tuning rerun with logger=wandb reuses every budget and logs each as a run: the calls and the
+    recipe booleans as config, the verdict and worst p-value of tune.json as summary; a rerun logs none again."""
+    out = tmp_path / "tuned"
+    shutil.copytree(failed, out)
+    for _ in range(2):
+        tune.main(compose_tune(checkpoint, out, cache, *FAIL, "logger=wandb"))
+    runs = sorted(wandb_offline(out), key=lambda run: run["config"]["calls"])
+    budgets = json.loads((out / "tune.json").read_text())["budgets"]
+    assert [run["name"] for run in runs] == ["tune.2_calls", "tune.3_calls"]
+    for run, (calls, result) in zip(runs, budgets.items(), strict=True):
+        assert run["config"]["calls"] == int(calls) and run["group"] == "tuned" and run["job_type"] == "tune"
+        assert not any(run["config"]["recipe"].values()) and "amp_fp16" in run["config"]["recipe"]
+        assert run["summary"]["verdict"] == result["verdict"] == "fail"
+        assert run["summary"]["worst_p"] == pytest.approx(min(
+            c["p_value"] for c in result["report"]["checks"].values() if c.get("p_value") is not None))
