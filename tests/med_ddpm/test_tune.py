@@ -20,9 +20,9 @@ from med_ddpm.data.datasets import build_dataset, load_condition
 from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
-from med_ddpm.samplers import tuning
-from med_ddpm.samplers.tuned import SEAL, read_tuned
-from med_ddpm.samplers.tuning import cond_hash
+from med_ddpm.samplers.tuned import SEAL, file_sha256, read_tuned
+from med_ddpm.tuning import gate, run
+from med_ddpm.tuning.gate import cond_hash
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 SIZE = [8, 8, 8]
@@ -99,7 +99,7 @@ def test_stops_at_the_fewest_calls_that_pass_and_sample_uses_that_grid(passed, c
     assert record["verdict"] == "pass" and record["calls"] == 2 and [b["calls"] for b in record["budgets"]] == [2]
     assert list(state["budgets"]) == ["2"] and record["sampler"]["timesteps"] == state["budgets"]["2"]["grid"]
     assert record["sampler"]["timesteps"][0] == 9 and record["sampler"]["variant"] == "sde"
-    assert record["checkpoint"]["sha256"] == tuning.file_sha256(checkpoint) and record["torch"]
+    assert record["checkpoint"]["sha256"] == file_sha256(checkpoint) and record["torch"]
     assert record["gate"]["statistics"]["n_samples"] == 10 and "kid_vs_ref" in record["gate"]["statistics"]["checks"]
     assert "**2 model calls pass**" in (passed / "report.md").read_text()
     assert (passed / "calls_vs_quality.png").stat().st_size > 1000
@@ -149,8 +149,7 @@ def test_an_interrupted_run_resumes_and_reuses_the_reference(failed, checkpoint,
     """Ctrl-C after the first budget leaves its result and no sampler.yaml; the rerun computes the second budget
     only; the reference comes from the cache the first run filled; the result is the uninterrupted run's."""
     calls = {"search": 0, "reference": 0, "budgets": []}
-    search, gate_budget, batched_run = (tuning.stack_distances, tuning.gate_budget,
-                                        tuning.batched_run)
+    search, gate_budget, batched_run = run.stack_distances, run.gate_budget, gate.batched_run
 
     def counted_search(*args):
         calls["search"] += 1
@@ -166,9 +165,9 @@ def test_an_interrupted_run_resumes_and_reuses_the_reference(failed, checkpoint,
         calls["reference"] += kw.get("reference") is None
         return batched_run(model_fn, sampler, cond, t, **kw)
 
-    monkeypatch.setattr(tuning, "stack_distances", counted_search)
-    monkeypatch.setattr(tuning, "gate_budget", counted_budget)
-    monkeypatch.setattr(tuning, "batched_run", counted_run)
+    monkeypatch.setattr(run, "stack_distances", counted_search)
+    monkeypatch.setattr(run, "gate_budget", counted_budget)
+    monkeypatch.setattr(gate, "batched_run", counted_run)
     with pytest.raises(KeyboardInterrupt):
         tune.main(compose_tune(checkpoint, tmp_path, cache, *FAIL))
     assert not (tmp_path / "sampler.yaml").exists()
