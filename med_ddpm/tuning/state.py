@@ -22,6 +22,8 @@ from med_ddpm.config_checks import (
     check_int_value,
 )
 from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
+from med_ddpm.quality.gate import QualityGate
+from med_ddpm.quality.probe import default_probe_timesteps
 from med_ddpm.samplers import make_timesteps, sampler_from_config
 from med_ddpm.samplers.search import describe_data, search_geometry
 from med_ddpm.samplers.tuned import file_sha256
@@ -82,6 +84,14 @@ def base_sampler(cfg: DictConfig, loaded: Loaded, budgets: Sequence[int]) -> dic
         raise ConfigError(f"sampler={name}: makes {len(sampler.timesteps)} model calls on a {k}-point grid; "
                           "tune a sampler whose calls are its grid's points, e.g. sampler=dpm_solver_pp")
     return node
+
+
+def check_gate_power(cfg: DictConfig, loaded: Loaded) -> None:
+    """Refuse, before anything is sampled, an N (``quality.n_samples``) or ``quality.n_perm`` at which the gate's bias
+    checks could never fail at the checkpoint's probed timesteps (:meth:`QualityGate.check_bias_power`)."""
+    probed = default_probe_timesteps(loaded.schedule.num_train_timesteps)
+    gate = QualityGate(OmegaConf.to_container(cfg.quality, resolve=True))
+    gate.check_bias_power(cfg.quality.n_samples, len(probed))
 
 
 def grid_node(base: dict[str, Any], grid: Sequence[int]) -> dict[str, Any]:
@@ -153,12 +163,14 @@ def load_state(out_dir: Path, key: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare(cfg: DictConfig, out_dir: Path) -> Tuning:
-    """Check the options, load the checkpoint and the state of an earlier run of the same settings."""
+    """Check the options, load the checkpoint, check the gate's N against its schedule, and load the state of an
+    earlier run of the same settings."""
     budgets = check_options(cfg)
     device = resolve_device(cfg.device)
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     size = search_geometry(cfg, loaded)
     sampler = base_sampler(cfg, loaded, budgets)
+    check_gate_power(cfg, loaded)
     sha256 = file_sha256(cfg.checkpoint)
     state = load_state(out_dir, run_key(cfg, sha256, size, sampler))
     return Tuning(cfg, out_dir, device, loaded, sha256, size, budgets, sampler, state)
