@@ -4,7 +4,6 @@ unsupported rows with reasons, a cut run names what is missing and the command t
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
