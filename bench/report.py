@@ -24,7 +24,8 @@ the row's device (``tf32`` on a CPU) is named in the message; a row whose recipe
 computation again and gets no speed-up. The quality
 column reads ``not gated``, or the gate's verdict with its N and ``random weights`` when it had no checkpoint. A
 workload's heading names its world size (bench.ddp rows, with their scaling efficiency) and gradient accumulation.
-A line of results.jsonl that is no JSON row is skipped and named in a note at the top of report.md.
+A line of results.jsonl cut short (a run killed while writing it) is left out, named on stderr and in a note at the
+top of report.md; any other line that is no JSON row is refused in one line naming it.
 quality.md (when the gate ran): for the latest gated row of each job, every check of the gate with its
 status, value, p-value, null quantiles (distribution checks) or limits, and the gate's minimum detectable
 eps bias, so a verdict can be read back to the check that decided it.
@@ -42,6 +43,7 @@ import csv
 import io
 import math
 import re
+import sys
 import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
@@ -229,12 +231,12 @@ def _workload_tables(table: list[dict[str, Any]], level: str) -> list[str]:
 
 
 def skipped_note(skipped: Sequence[str]) -> list[str]:
-    """The lines of results.jsonl that are no row, named where nobody misses them (none skipped: no note)."""
+    """The lines of results.jsonl cut short, named where nobody misses them (none: no note)."""
     if not skipped:
         return []
-    return [f"**{len(skipped)} unreadable line(s) of results.jsonl skipped**: their rows are in no table below and "
-            "not in report.csv (a torn last line is a writer killed mid-line; a line elsewhere is corrupt: repair "
-            "it or rerun its job).", "", *(f"- `{line}`" for line in skipped), ""]
+    return [f"**{len(skipped)} line(s) of results.jsonl cut short** (a run killed while writing a row): their rows "
+            "are in no table below and not in report.csv; rerun their jobs.", "",
+            *(f"- `{line}`" for line in skipped), ""]
 
 
 def to_markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], skipped: Sequence[str] = (),
@@ -428,11 +430,15 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
 
 def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = False,
                  wandb_mode: str = "offline") -> Path:
-    """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path. ``wandb``: also log each
-    row not logged yet as its own W&B run (:mod:`bench.core.wandb_runs`)."""
+    """report.md, report.csv and the PNGs for ``sweep_dir``; returns the markdown path. A line cut short is named on
+    stderr, one line each. ``wandb``: also log each row not logged yet as its own W&B run
+    (:mod:`bench.core.wandb_runs`)."""
     rows, skipped = read_results(sweep_dir)
+    for line in skipped:
+        print(f"warning: {sweep_dir / line}: cut short (a run killed while writing it), left out; the report holds "
+              f"the {len(rows)} complete rows", file=sys.stderr)
     e2e_page = write_e2e_page(sweep_dir, rows)  # the real commands' rows have their own columns
-    rows = [row for row in rows if not row.get("e2e")]
+    measured, rows = rows, [row for row in rows if not row.get("e2e")]
     table = report_rows(rows, metric)
     headline = [r for r in table if r["headline"]]
     images = [p for p in (plot_speedups(headline, sweep_dir / "speedup.png"),
@@ -447,7 +453,7 @@ def write_report(sweep_dir: Path, metric: str = QUALITY_METRIC, wandb: bool = Fa
     write_training_report(sweep_dir)
     md = atomic_write_text(sweep_dir / "report.md", markdown)
     if wandb:
-        published = publish_unlogged(sweep_dir, rows, wandb_mode)
+        published = publish_unlogged(sweep_dir, measured, wandb_mode)
         print(f"W&B: {len(published)} row(s) logged as runs ({wandb_mode}) in {sweep_dir / 'wandb'}; rows logged "
               f"before are listed in {sweep_dir / LOGGED_FILE}")
     return md

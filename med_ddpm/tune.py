@@ -2,7 +2,7 @@
 
 The fewest model calls per sample whose grid, searched for this checkpoint on ``data``, passes the quality gate
 with ``experiment=fast_sample``'s stack against the checkpoint's own strict-FP32 DDPM, on masks and noise the
-search never saw (:mod:`med_ddpm.samplers.tuning`). Writes ``DIR/sampler.yaml``, which
+search never saw (:mod:`med_ddpm.tuning`). Writes ``DIR/sampler.yaml``, which
 ``python -m med_ddpm.sample experiment=fast_sample checkpoint=CKPT masks=MASKS tuned=DIR/sampler.yaml`` samples
 with, ``DIR/report.md`` and ``DIR/calls_vs_quality.png``. Interrupted, the same command resumes. ``logger=wandb``: each
 budget gated is also a W&B run.
@@ -21,7 +21,6 @@ import hydra
 from omegaconf import DictConfig
 
 from med_ddpm import cli
-from med_ddpm.samplers.tuning import RESULT, SAMPLE_HINT, STATE, run
 from med_ddpm.tracking import (
     build_tracker,
     check_logger,
@@ -31,6 +30,9 @@ from med_ddpm.tracking import (
     mark_logged,
     recipe_config,
 )
+from med_ddpm.tuning.report import SAMPLE_HINT
+from med_ddpm.tuning.run import run
+from med_ddpm.tuning.state import RESULT, STATE
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 

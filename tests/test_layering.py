@@ -53,6 +53,17 @@ def test_bench_library_imports_no_bench_command(library):
     assert not bad, f"bench/{library} imports bench commands: {bad}"
 
 
+@pytest.mark.parametrize("room, above", [("samplers", {"quality", "tuning"}), ("quality", {"tuning"})])
+def test_a_med_ddpm_room_imports_none_above_it(room, above):
+    """med_ddpm.tuning runs the quality gate, which runs the samplers: the arrows point down that line, never back."""
+    files = sorted((REPO / "med_ddpm" / room).rglob("*.py"))
+    assert files
+    rooms = {f"med_ddpm.{name}" for name in above}
+    bad = {str(f.relative_to(REPO)): {m for m in imported_modules(f) if any(m == r or m.startswith(f"{r}.")
+                                                                           for r in rooms)} for f in files}
+    assert not {k: v for k, v in bad.items() if v}, f"med_ddpm/{room} imports {sorted(rooms)}: {bad}"
+
+
 def test_wandb_is_imported_lazily():
     """logger=none must work without wandb: no module-level `import wandb` anywhere."""
     for path in [*REPO.glob("med_ddpm/**/*.py"), *REPO.glob("bench/**/*.py"), *REPO.glob("optim/**/*.py")]:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -214,31 +215,48 @@ def append_row(path: str | Path, row: dict[str, Any]) -> dict[str, Any]:
     return json.loads(line)
 
 
+LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+
+
+def cut_short(err: ValueError) -> bool:
+    """Whether a line that is no JSON row is a row whose writer was killed mid-line: the text ends before the row
+    does (inside a string, a number or a literal, or between two tokens)."""
+    if not isinstance(err, json.JSONDecodeError) or err.msg.startswith("Extra data"):
+        return False  # not UTF-8 (:func:`append_row` writes ASCII), or text after a whole row
+    rest = err.doc[err.pos:].strip()
+    return (err.msg.startswith("Unterminated string") or re.fullmatch(r"[-+.eE0-9]*", rest) is not None
+            or any(word.startswith(rest) for word in LITERALS))
+
+
 def read_results(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of a results.jsonl (``path``, or ``path/results.jsonl`` for a folder) and a
-    ``<file name>:<line>: <parse error>`` for each line that is not a JSON row, skipped: a torn last line (a writer
-    killed mid-line) or a corrupt one anywhere."""
+    """The rows of a results.jsonl (``path``, or ``path/results.jsonl`` for a folder) and ``<file name>:<line>`` of
+    each line cut short, skipped: a run killed while writing a row leaves it, as the last line or, once a later run
+    appended after it, in the middle. Any other line that is no JSON row is refused in one line naming it."""
     path = Path(path)
     if path.is_dir() or path.suffix != ".jsonl":
         path = path / RESULTS_FILE
     if not path.exists():
         raise DataError(f"{path.parent}: no results file ({path.name}); pass the folder a sweep or ladder wrote")
-    rows, skipped = [], []
+    rows, cut = [], []
     for n, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except ValueError as err:  # not JSON, or not UTF-8
-            skipped.append(f"{path.name}:{n}: {err}")
-    return rows, skipped
+            if not cut_short(err):
+                raise DataError(f"{path}:{n}: not a results row ({err}); each line is one JSON row: repair or "
+                                f"remove line {n}") from err
+            cut.append(f"{path.name}:{n}")
+    return rows, cut
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a results.jsonl (:func:`read_results`); each unreadable line is skipped with a warning."""
-    rows, skipped = read_results(path)
-    for line in skipped:
-        warnings.warn(f"{path}: skipping unreadable row {line}", RuntimeWarning, stacklevel=2)
+    """The rows of a results.jsonl (:func:`read_results`); each line cut short is skipped with a warning."""
+    rows, cut = read_results(path)
+    for line in cut:
+        warnings.warn(f"{path}: skipping {line}, cut short (a run killed while writing it)", RuntimeWarning,
+                      stacklevel=2)
     return rows
 
 

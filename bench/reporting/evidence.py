@@ -134,7 +134,7 @@ class Run:
     jobs: dict[str, dict[str, Any]]
     why: str = "the newest complete run"
     others: tuple[str, ...] = ()  # the folder's other runs: on no table
-    skipped: tuple[str, ...] = ()  # lines of results.jsonl that are no row
+    skipped: tuple[str, ...] = ()  # lines of results.jsonl cut short
 
     @property
     def gpu(self) -> str:

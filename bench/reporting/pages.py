@@ -274,7 +274,8 @@ def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
              f"{READING} {gate_files(run, page_dir)} (`not gated`: no gate ran that stack on this GPU; `reference`: "
              "strict FP32, what the gate compares against).", ""]
     if run.skipped:
-        lines += [f"{len(run.skipped)} unreadable line(s) of results.jsonl skipped: "
+        lines += [f"{len(run.skipped)} line(s) of results.jsonl cut short (a run killed while writing a row), left "
+                  "out: "
                   + ", ".join(f"`{s}`" for s in run.skipped), ""]
     lines += ["## Step benchmarks", "", *step_table(run, gates, page_dir),
               "## The real commands, from process start", "", *e2e_table(run), *startup_tables(run),

@@ -7,7 +7,7 @@ grid as written for one set of weights, so ``python -m med_ddpm.sample ... tuned
 file edited by hand, a verdict other than pass, and another checkpoint, each in one line saying how to tune.
 
 This module reads and writes the file only (``med_ddpm.sample`` imports it; the tuning is
-:mod:`med_ddpm.samplers.tuning`).
+:mod:`med_ddpm.tuning`).
 """
 
 from __future__ import annotations

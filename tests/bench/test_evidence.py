@@ -4,7 +4,6 @@ unsupported rows with reasons, a cut run names what is missing and the command t
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -124,9 +123,17 @@ def measured(monkeypatch):
 def test_a_gpu_s_unsupported_rows_carry_the_reason_and_the_run_and_the_rest_is_measured(tmp_path, measured, capsys):
     evidence.run(ladder_cfg(tmp_path, *V100, "only='train_step|tf32|brats'"), argv=[])
     rows = read_rows(tmp_path)
-    assert {r["job_name"] for r in rows} == {"train_step.strict_fp32", "train_step.torch_defaults",
-                                              "counters.tf32_channels_last_3d", "brats.memory_train_step"}
-    assert all(r["status"] == "unsupported" and r["message"] for r in rows) and len({r["run_id"] for r in rows}) == 1
+    memory = "needs 37.1 GiB of GPU memory (its measured peak); Tesla V100-SXM2-16GB has 15.8 GiB"
+    capability = "needs CUDA compute capability >= 8.0; Tesla V100-SXM2-16GB has 7.0"
+    assert {r["job_name"]: r["message"] for r in rows} == {
+        "train_step.strict_fp32": memory, "train_step.torch_defaults": memory,
+        "counters.tf32_channels_last_3d": f"recipe 'tf32' is unsupported on this device: TF32: {capability}; drop "
+                                          "tf32 on this GPU",
+        "brats.memory_train_step": f"recipe 'amp_bf16' is unsupported on this device: bfloat16 autocast: {capability}; "
+                                   "use amp_fp16 on this GPU"}
+    said = capsys.readouterr().out
+    assert all(r["status"] == "unsupported" and f"[unsupported] {r['job_name']}: {r['message']}\n" in said for r in rows)
+    assert len({r["run_id"] for r in rows}) == 1
     assert len({r["launch"] for r in rows}) == 1 and all(r["launch_s"] >= 0 for r in rows)
     brats = next(r for r in rows if r["job_name"] == "brats.memory_train_step")
     assert brats["model"] == "medddpm_brats" and brats["scenario"] == "train_step" and brats["env"]
@@ -162,6 +169,15 @@ def test_a_job_the_budget_ended_has_no_row_and_is_listed_missing(tmp_path, monke
 
 
 def test_a_rerun_continues_the_run_of_this_commit_and_a_new_commit_starts_its_own(tmp_path, measured, monkeypatch):
+    """The rows a rerun measures join the run its commit started; another commit's rerun measures every job again
+    under a new run id."""
+
+    def step(self, job, chosen, *rest):
+        measured.append(job.label)
+        self.append(job, {"status": "ok", "message": ""}, chosen)
+        return [job]
+
+    monkeypatch.setattr(evidence.Runner, "step", step)
     code = {"git_sha": "a" * 40, "dirty": False}
     monkeypatch.setattr(evidence, "provenance", lambda: code)
     monkeypatch.setattr("bench.core.records.provenance", lambda: code)
@@ -169,14 +185,18 @@ def test_a_rerun_continues_the_run_of_this_commit_and_a_new_commit_starts_its_ow
     append_row(tmp_path / RESULTS_FILE, {"status": "ok", "message": "", "job_name": "forward.strict_fp32"})
     monkeypatch.delenv(RUN_ID_ENV)
     evidence.run(ladder_cfg(tmp_path, *H100, "only=forward"), argv=[])
-    assert "forward.strict_fp32" not in measured and "forward.torch_defaults" in measured
-    assert json.loads((tmp_path / RESULTS_FILE).read_text().splitlines()[-1])["run_id"] == "first-run"
+    assert measured == ["forward.torch_defaults", "forward.shipped"]
+    assert [(r["job_name"], r["run_id"]) for r in read_rows(tmp_path)] == [
+        ("forward.strict_fp32", "first-run"), ("forward.torch_defaults", "first-run"), ("forward.shipped", "first-run")]
 
     code["git_sha"] = "b" * 40
     measured.clear()
     monkeypatch.delenv(RUN_ID_ENV)
     evidence.run(ladder_cfg(tmp_path, *H100, "only=forward"), argv=[])
-    assert "forward.strict_fp32" in measured
+    assert measured == ["forward.strict_fp32", "forward.torch_defaults", "forward.shipped"]
+    new = read_rows(tmp_path)[3:]
+    assert len(new) == 3 and len({r["run_id"] for r in new}) == 1 and new[0]["run_id"] != "first-run"
+    assert all(r["git_sha"] == "b" * 40 for r in new)
 
 
 @pytest.mark.e2e

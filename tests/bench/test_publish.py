@@ -21,6 +21,7 @@ from med_ddpm.config_checks import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[2]
 H100, H200 = "20260101T000000Z-synth1", "20260102T000000Z-synth2"  # the fixture's run ids
+MEMORY = "needs 37.1 GiB of GPU memory (its measured peak); Tesla V100-SXM2-16GB has 15.8 GiB"  # a 16 GiB card's reason
 
 
 def folders(repo: Path) -> list[Path]:
@@ -174,6 +175,30 @@ def test_a_missing_headline_row_is_refused_in_one_line_naming_it(evidence_repo):
         "(no row), ddpm250.torch_defaults (no row); finish it: rerun python -m bench.ladder preset=evidence "
         "out=bench/results/h100"], proc.stderr
     assert (evidence_repo / "README.md").read_text() == readme and not (evidence_repo / "docs").exists()
+
+
+@pytest.fixture
+def unsupported_headline(evidence_repo) -> Path:
+    """The H100 run with a headline row ``unsupported``, as a 16 GiB card writes its strict-FP32 train step: the
+    reason, no time."""
+    h100 = folders(evidence_repo)[0]
+    write_rows(h100, [{**r, "status": "unsupported", "message": MEMORY, "ms_median": None, "ms_p10": None,
+                       "ms_p90": None} if r["job_name"] == "train_step.strict_fp32" else r for r in rows(h100)])
+    return evidence_repo
+
+
+def test_an_unsupported_headline_row_is_shown_with_its_reason_and_divides_no_speed_up(unsupported_headline):
+    """The run is complete (the GPU cannot make that row); the row's cell says unsupported, its page its reason, and
+    no speed-up or comparison across GPUs uses it."""
+    lines = publish_all(unsupported_headline)
+    assert lines[0].endswith(f"run `{H100}` at commit `111111111111`, the newest complete run")
+    readme = (unsupported_headline / "README.md").read_text()
+    assert ("| `train_step` | unsupported | 502.4 ms, 251.2 ms a volume, not gated | 112.2 ms (`fast_train_fp16`), "
+            "56.10 ms a volume, not gated |  | 4.48× |") in readme
+    docs = unsupported_headline / "docs" / "results"
+    assert f"| `train_step.strict_fp32` (train step) | unsupported: {MEMORY} |" in (docs / "h100.md").read_text()
+    train_step = next(line for line in (docs / "gpus.md").read_text().splitlines() if line.startswith("- `train_step`"))
+    assert "strict_fp32" not in train_step and "`torch_defaults` runs 1.08× as fast on the H200" in train_step
 
 
 def test_a_failed_headline_row_is_named_with_its_status(evidence_repo):

@@ -29,7 +29,10 @@ from bench.quality.training import (
     training_commands,
 )
 from bench.quality.training_verdict import training_verdict
+from med_ddpm.checkpoint import save_checkpoint
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.diffusion import NoiseSchedule
+from med_ddpm.model import UNet3D
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write
 
@@ -236,6 +239,35 @@ def test_gated_weights_are_named_by_their_bytes_so_a_retrained_run_is_gated_agai
     assert after["fast_train"][0] != reference and after["fast_train"][1] == candidate
     assert gated_row([old_row], after["fast_train"]) is None
     assert Path(reference).read_bytes() == b"a", "the gated row's weights stay as they were gated"
+
+
+def test_every_run_s_validation_loss_is_on_the_same_phantoms_and_t_eps_draws(tmp_path, monkeypatch):
+    """Each run's network sees the same inputs (x_t with its mask, and t), so two validation losses differ only by
+    the weights: equal weights give equal losses, other weights another."""
+    for arm, seed in (("fp32", 0), ("fp32_seed1", 1), ("control", 0)):
+        torch.manual_seed(seed)
+        net, schedule = UNet3D(3, 1, 32, (1, 2), 1, (2,)), NoiseSchedule(10)
+        for p in net.parameters():  # no zero-initialised output layer: the weights decide the prediction
+            torch.nn.init.normal_(p, std=0.02)
+        config = {"model": dict(net.config, image_size=[8, 8, 8]), "diffusion": schedule.config,
+                  "data": {"name": "synthetic", "variant": "whole_head"}}
+        save_checkpoint(tmp_path / arm / "checkpoints" / "last.pt", model_state=net.state_dict(),
+                        ema_state=net.state_dict(), config=config, step=1)
+    inputs, forward = [], UNet3D.forward
+
+    def noted(self, x, t, *args, **kw):
+        inputs.append((x.clone(), t.clone()))
+        return forward(self, x, t, *args, **kw)
+
+    monkeypatch.setattr(UNet3D, "forward", noted)
+    monkeypatch.setattr(quality_training, "VALIDATION_PHANTOMS", 10)  # two forwards a draw: 8 phantoms, then 2
+    monkeypatch.setattr(quality_training, "VALIDATION_DRAWS", 2)
+    losses = quality_training.validation_losses(tmp_path, ["fp32", "fp32_seed1", "control"], torch.device("cpu"))
+    per_run = [inputs[i:i + 4] for i in range(0, 12, 4)]
+    assert len(inputs) == 12
+    for run in per_run[1:]:
+        assert all(torch.equal(x, x0) and torch.equal(t, t0) for (x, t), (x0, t0) in zip(run, per_run[0]))
+    assert losses["fp32"] == losses["control"] != losses["fp32_seed1"]
 
 
 def test_a_resumed_run_s_loss_log_keeps_each_step_s_last_line(tmp_path):

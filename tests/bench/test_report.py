@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from bench import report
 from bench.core import records
@@ -86,7 +87,7 @@ def test_strict_fp32_rows_alone_get_no_speedup_plots(tmp_path):
 def test_torn_line_and_missing_baselines(sweep):
     with open(sweep / "results.jsonl", "a") as f:
         f.write('{"scenario": "train_st')  # a writer killed mid-line
-    with pytest.warns(RuntimeWarning, match="unreadable row results.jsonl:8: Unterminated string"):
+    with pytest.warns(RuntimeWarning, match=r"skipping results\.jsonl:8, cut short \(a run killed while writing it\)"):
         rows = read_rows(sweep)
     assert len(rows) == len(ROWS)
     need = missing_baselines(rows, "run-1")
@@ -250,21 +251,59 @@ def test_no_quality_md_without_a_gated_row(sweep):
     assert not (sweep / "quality.md").exists()
 
 
-def test_every_unreadable_line_is_named_in_the_report(sweep):
-    """A corrupt line mid-file and a torn last one: the report is drawn from the other rows and says which lines
-    it skipped and why, so it is never silently incomplete."""
+def report_command(sweep):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return report.main(compose("report", overrides=[f"dir={sweep}"]))
+
+
+def test_a_row_cut_short_is_named_on_stderr_and_the_complete_rows_are_reported(sweep, capsys):
+    """A killed run's last line, then the same line in the middle once a resumed run appended after it: one warning
+    line naming file:line, the report of every complete row, and the line named in report.md."""
+    with open(sweep / "results.jsonl", "a") as f:
+        f.write(json.dumps(row(["amp_bf16"], 90.0, batch=4))[:70])  # a writer killed mid-line
+    report_command(sweep)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: {sweep}/results.jsonl:8: cut short (a run killed while writing it), left out; the "
+                   "report holds the 7 complete rows"]
+    md = (sweep / "report.md").read_text()
+    assert "**1 line(s) of results.jsonl cut short** (a run killed while writing a row)" in md
+    assert "- `results.jsonl:8`" in md and "| tf32 | ok | 300 |" in md and "| amp_bf16 | ok | 90" not in md
+    assert len((sweep / "report.csv").read_text().splitlines()) == len(ROWS) + 1
+
+    append_row(sweep / "results.jsonl", row(["amp_bf16"], 90.0, batch=4))  # the resumed run's row
+    report_command(sweep)
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {sweep}/results.jsonl:8: cut short (a run killed while writing it), left out; the report holds "
+        "the 8 complete rows"]
+    assert "| amp_bf16 | ok | 90" in (sweep / "report.md").read_text()
+
+
+def test_a_corrupt_line_is_refused_in_one_line_naming_it(sweep, capsys):
     lines = (sweep / "results.jsonl").read_text().splitlines()
     lines[2] = "#" + lines[2][1:]  # a corrupt byte in the amp_bf16 row
-    (sweep / "results.jsonl").write_text("\n".join(lines) + '\n{"scenario": "train_st')
-    md = report.write_report(sweep).read_text()
-    assert "**2 unreadable line(s) of results.jsonl skipped**" in md
-    assert "- `results.jsonl:3: Expecting value: line 1 column 1 (char 0)`" in md and "- `results.jsonl:8: Unterminated string" in md
-    assert "| amp_bf16 |" not in md and "| tf32 | ok | 200 |" in md
-    assert len((sweep / "report.csv").read_text().splitlines()) == len(ROWS)  # header + the 6 readable rows
+    (sweep / "results.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exit_:
+        report_command(sweep)
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        f"error: {sweep}/results.jsonl:3: not a results row (Expecting value: line 1 column 1 (char 0)); each line "
+        "is one JSON row: repair or remove line 3"]
+    assert not (sweep / "report.md").exists()
+
+
+def test_every_cut_of_a_row_is_told_from_a_corrupt_line():
+    line = json.dumps({**row(["tf32"], 1.5), "dirty": True, "extra": [None, -2.5e-3, "a \\ \"b\""]})
+    for end in range(1, len(line)):
+        with pytest.raises(ValueError) as err:
+            json.loads(line[:end])
+        assert records.cut_short(err.value), line[:end]
+    for corrupt in ("#" + line[1:], line + "x", line.replace(":", ";", 1), "nul" + line):
+        with pytest.raises(ValueError) as err:
+            json.loads(corrupt)
+        assert not records.cut_short(err.value), corrupt
 
 
 def test_no_note_when_every_line_reads(sweep):
-    assert "unreadable" not in report.write_report(sweep).read_text()
+    assert "cut short" not in report.write_report(sweep).read_text()
 
 
 def gated(verdict, n=None, checkpoint=None):

@@ -6,9 +6,9 @@ stack holds that stack's time (``<workload>.<stack>``'s ``ms_median``, or that p
 column the shipped stack's speed-up over that baseline (two times of the run divided), and the real-command column
 each named end-to-end job's figure. A number is a figure when it rounds to the row's value at the digits shown.
 
-Until a GPU's evidence rows are committed the README holds only the markers, and the check of its table passes
-vacuously; the synthetic fixture run (tests/bench/fixtures/evidence/) is published into a temporary README to
-show that the check passes a generated table and fails one with a number changed.
+The README's table is checked, and a README whose table is gone fails; the synthetic fixture run
+(tests/bench/fixtures/evidence/) is published into a temporary README to show that the check passes a generated table
+and fails one with a number changed.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def test_the_readme_has_its_results_markers_and_fits_its_size():
 
 
 def test_every_number_of_the_readme_table_is_in_the_rows_of_the_run_it_names():
-    """Vacuous only while the README holds no generated table (no GPU has committed evidence rows yet)."""
-    assert table_mismatches(ROOT / "README.md") in (None, [])
+    """The README holds the table published from committed evidence rows (None: it was deleted)."""
+    assert table_mismatches(ROOT / "README.md") == []
 
 
 def test_the_check_passes_a_generated_table_and_fails_a_changed_number(evidence_repo):

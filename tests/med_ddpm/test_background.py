@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -46,9 +47,16 @@ def test_a_memory_cache_is_read_once_into_shared_stacks(root):
         dataset[3]
 
 
-def test_without_a_memory_cache_the_dataset_reads_its_files(root):
-    dataset = build_training_dataset(whole_head(root, cache="none"), SIZE, share=True).dataset
+def test_without_a_memory_cache_the_dataset_reads_its_files(root, tmp_path):
+    """The items are the dataset's own, each read from its files when asked for: a file rewritten after the build is
+    what the next read gives."""
+    shutil.copytree(root, tmp_path / "data")
+    dataset = build_training_dataset(whole_head(tmp_path / "data", cache="none"), SIZE, share=True).dataset
     assert not isinstance(dataset, SharedItems) and dataset.cache == "none"
+    assert_same_items(dataset, WholeHeadDataset(root, SIZE, cache="none"))
+    write_phantom_niftis(tmp_path / "other", 1, SIZE, seed=5)
+    shutil.copy(tmp_path / "other" / "image" / "phantom_0000.nii.gz", tmp_path / "data" / "image")
+    assert torch.equal(dataset[0]["image"], WholeHeadDataset(tmp_path / "other", SIZE, cache="none")[0]["image"])
 
 
 def test_the_process_hands_over_the_items(root):

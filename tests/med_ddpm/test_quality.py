@@ -20,6 +20,7 @@ from med_ddpm.quality.probe import (
     randomize_zero_init,
     run_trajectory,
 )
+from med_ddpm.quality.stats import bias_test, per_sample_fit
 from med_ddpm.samplers import DDPMSampler, sampler_from_config
 
 N, MASKS = 32, 8
@@ -177,7 +178,26 @@ def test_bias_checks_refuse_an_n_at_which_they_could_never_fail(n, n_perm, refus
 def test_the_smallest_detected_eps_noise_is_reported_beside_the_bias(setup, gate):
     report = gate.run(setup[-1], probe_run(setup[0], setup[-1], "cpu"))
     assert report.context["min_detectable_eps_noise"] == load_thresholds()["checks"]["eps_noise"]["warn"]
-    assert report.context["min_detectable_eps_bias"] == pytest.approx(0.015)
+    assert report.context["min_detectable_eps_bias"] == pytest.approx(0.015)  # no noise: the fail limit
+
+
+def test_the_smallest_detected_eps_bias_is_the_noise_s_quantile_at_holm_s_first_level_above_the_fail_limit(setup,
+                                                                                                           gate):
+    """Per-sample ε scale errors of sd 0.05 and mean 0: the smallest δ the gate can tell from them is the
+    (1 - alpha.bias / 4 probed timesteps) quantile of the sign-flipped mean, at the timestep where it is least; a
+    ``fail`` limit above it is the floor."""
+    reference = setup[-1]
+    spread = 0.05 * torch.randn(N, generator=torch.Generator().manual_seed(3))
+    spread -= spread.mean()
+    scaled = {t: e * (1 + spread).view(N, 1, 1, 1, 1) for t, e in reference.eps_probe.items()}
+    candidate = dataclasses.replace(reference, samples=None, eps_probe=scaled)
+    slopes = {t: per_sample_fit(scaled[t], e)[0] - 1 for t, e in reference.eps_probe.items()}
+    holm_first = min(bias_test(d, n_perm=1000, alpha=0.01 / 4).detectable for d in slopes.values())
+    assert holm_first > min(bias_test(d, n_perm=1000, alpha=0.01).detectable for d in slopes.values()) > 0.015
+    assert gate.run(reference, candidate).context["min_detectable_eps_bias"] == pytest.approx(holm_first)
+    floor = load_thresholds()
+    floor["checks"]["eps_scale_bias"]["fail"] = 0.2
+    assert QualityGate(floor).run(reference, candidate).context["min_detectable_eps_bias"] == 0.2
 
 
 def test_bad_threshold_config_is_rejected():
@@ -283,6 +303,20 @@ def test_two_checkpoints_refuse_a_stack_or_another_network(tmp_path):
                          checkpoint=mine)
     with pytest.raises(ConfigError, match=r"pass recipe=\[\] sampler=ddpm"):
         gate_from_config(_compose("recipe=[tf32]", f"quality.candidate_checkpoint={mine}"), "cpu", checkpoint=mine)
+
+
+@pytest.mark.parametrize("name", ["model.py", "diffusion.py", "samplers/base.py", "samplers/ddpm.py",
+                                  "quality/probe.py", "data/phantoms.py"])
+def test_an_edit_to_the_code_that_computes_the_reference_is_a_new_cache_key(name, monkeypatch):
+    """The key holds the source text of what runs the reference (network, schedule, DDPM, the sampling loop, the
+    probes, the phantom masks): a cached reference is never read back for code that would compute another."""
+    from med_ddpm.quality import probe as quality
+
+    digest, read_text = quality.reference_code_digest(), Path.read_text
+    edited = Path(quality.__file__).parents[1] / name
+    monkeypatch.setattr(Path, "read_text", lambda self, *args, **kw: read_text(self, *args, **kw)
+                        + ("\n# edited" if self == edited else ""))
+    assert quality.reference_code_digest() != digest
 
 
 def test_the_cached_reference_is_keyed_by_torch_and_the_code_that_computes_it(monkeypatch):

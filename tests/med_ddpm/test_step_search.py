@@ -173,13 +173,24 @@ def test_command_searches_on_whole_head_niftis(checkpoint, tmp_path):
     assert runs["files"]["results"]["5"]["bound"] != runs["phantoms"]["results"]["5"]["bound"]
 
 
-def test_command_runs_inside_a_recipe_stack(checkpoint, tmp_path):
-    """The forwards run in the stack's layout: channels_last_3d (exact) finds the strict-FP32 grids."""
+def test_command_runs_inside_a_recipe_stack(checkpoint, tmp_path, monkeypatch):
+    """Every forward runs on the network the stack prepared: under channels_last_3d each 5-D weight is in the NDHWC
+    layout at every call (strict FP32's are not); the recipe is exact, so it finds the strict-FP32 grids."""
+    layouts, forward = {}, UNet3D.forward
+
+    def noted(self, *args, **kw):
+        weights = [p for p in self.parameters() if p.dim() == 5]
+        layouts[name].add(all(w.is_contiguous(memory_format=torch.channels_last_3d) for w in weights))
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(UNet3D, "forward", noted)
     results = []
     for name, recipe in (("fp32", "recipe=[]"), ("cl", "recipe=[channels_last_3d]")):
+        layouts[name] = set()
         step_search.main(compose_search([f"checkpoint={checkpoint}", "n=2", "steps=[5]", f"output_dir={tmp_path / name}",
                                          recipe]))
         results.append(json.loads((tmp_path / name / "step_search.json").read_text()))
+    assert layouts == {"fp32": {False}, "cl": {True}}
     assert results[1]["recipes"] == ["channels_last_3d"]
     assert results[0]["results"]["5"]["grid"] == results[1]["results"]["5"]["grid"]
     assert results[1]["results"]["5"]["bound"] == pytest.approx(results[0]["results"]["5"]["bound"], rel=1e-4)

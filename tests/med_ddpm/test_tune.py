@@ -1,7 +1,8 @@
 """med_ddpm.tune end to end on a tiny network (8^3, T = 10, N = 10, the least at which the bias checks can fail): the fewest passing calls, the sealed
 sampler.yaml that med_ddpm.sample uses or refuses, the hold-out of the gate from the search, resuming, and the
-refusals of bad input. The gate's limits are set to make a verdict certain: ``quality.alpha.fail=0`` and
-``warn=0`` pass every distribution check, ``alpha.fail=2`` fails them (a p-value is at most 1)."""
+refusals of bad input. Most runs set the gate's limits to make a verdict certain: ``quality.alpha.fail=0`` and
+``warn=0`` pass every distribution check, ``alpha.fail=2`` fails them (a p-value is at most 1); one keeps the gate's
+own ``alpha.warn``, so its verdict is the candidate's against the checkpoint's strict-FP32 DDPM."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from med_ddpm.data.datasets import build_dataset, load_condition
 from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
-from med_ddpm.samplers import tuning
-from med_ddpm.samplers.tuned import SEAL, read_tuned
-from med_ddpm.samplers.tuning import cond_hash
+from med_ddpm.quality.probe import fixed_noise
+from med_ddpm.samplers.tuned import SEAL, file_sha256, read_tuned
+from med_ddpm.tuning import gate, run
+from med_ddpm.tuning.gate import cond_hash
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 SIZE = [8, 8, 8]
@@ -78,8 +80,8 @@ def refusal(capsys, call, cfg) -> str:
 def tuned(checkpoint, cache, tmp_path_factory) -> dict[str, Path]:
     """The folders of two runs: one whose first budget passes, one where no budget passes."""
     folders = {name: tmp_path_factory.mktemp(name) for name in ("passed", "failed")}
-    for name, gate in (("passed", PASS), ("failed", FAIL)):
-        tune.main(compose_tune(checkpoint, folders[name], cache, *gate))
+    for name, limits in (("passed", PASS), ("failed", FAIL)):
+        tune.main(compose_tune(checkpoint, folders[name], cache, *limits))
     return folders
 
 
@@ -99,7 +101,7 @@ def test_stops_at_the_fewest_calls_that_pass_and_sample_uses_that_grid(passed, c
     assert record["verdict"] == "pass" and record["calls"] == 2 and [b["calls"] for b in record["budgets"]] == [2]
     assert list(state["budgets"]) == ["2"] and record["sampler"]["timesteps"] == state["budgets"]["2"]["grid"]
     assert record["sampler"]["timesteps"][0] == 9 and record["sampler"]["variant"] == "sde"
-    assert record["checkpoint"]["sha256"] == tuning.file_sha256(checkpoint) and record["torch"]
+    assert record["checkpoint"]["sha256"] == file_sha256(checkpoint) and record["torch"]
     assert record["gate"]["statistics"]["n_samples"] == 10 and "kid_vs_ref" in record["gate"]["statistics"]["checks"]
     assert "**2 model calls pass**" in (passed / "report.md").read_text()
     assert (passed / "calls_vs_quality.png").stat().st_size > 1000
@@ -118,6 +120,27 @@ def test_a_failed_verdict_is_recorded_and_sample_refuses_it(failed, checkpoint, 
     assert re.match(rf"^tuned=\S+: its gate verdict is fail at 3 model calls \(\w+=.* -> fail .*\), so it is no "
                     rf"sampler to use; tune with larger budgets: python -m med_ddpm\.tune checkpoint={checkpoint} "
                     r"masks=MASKS output_dir=DIR budgets=\[6,9\]$", line), line
+    assert not list(tmp_path.glob("*.nii.gz"))
+
+
+@pytest.fixture(scope="module")
+def warned(checkpoint, cache, tmp_path_factory) -> Path:
+    """A run with the gate's own ``alpha.warn`` (0.01) and no fail level: the verdict is what the samples show."""
+    out = tmp_path_factory.mktemp("warned")
+    tune.main(compose_tune(checkpoint, out, cache, "quality.alpha.fail=0", "budgets=[2]"))
+    return out
+
+
+def test_the_verdict_is_the_candidate_s_against_the_checkpoint_s_fp32_ddpm_and_a_warn_is_refused(
+        warned, checkpoint, tmp_path, capsys):
+    """The 2-call grid's samples are told apart from the 10-step DDPM's at the permutation test's smallest p
+    (1 / (1 + n_perm) < alpha.warn): warn, which med_ddpm.sample refuses as it refuses a fail."""
+    record = read_tuned(warned / "sampler.yaml")
+    assert record["verdict"] == "warn" and [b["verdict"] for b in record["budgets"]] == ["warn"]
+    assert record["budgets"][0]["worst_p"] == pytest.approx(1 / 101)
+    line = refusal(capsys, sample.main, compose_sample(checkpoint, tmp_path, f"tuned={warned / 'sampler.yaml'}"))
+    assert re.match(r"^tuned=\S+: its gate verdict is warn at 2 model calls \(\w+=.*\), so it is no sampler to use; "
+                    r"tune with larger budgets: ", line), line
     assert not list(tmp_path.glob("*.nii.gz"))
 
 
@@ -149,8 +172,7 @@ def test_an_interrupted_run_resumes_and_reuses_the_reference(failed, checkpoint,
     """Ctrl-C after the first budget leaves its result and no sampler.yaml; the rerun computes the second budget
     only; the reference comes from the cache the first run filled; the result is the uninterrupted run's."""
     calls = {"search": 0, "reference": 0, "budgets": []}
-    search, gate_budget, batched_run = (tuning.stack_distances, tuning.gate_budget,
-                                        tuning.batched_run)
+    search, gate_budget, batched_run = run.stack_distances, run.gate_budget, gate.batched_run
 
     def counted_search(*args):
         calls["search"] += 1
@@ -166,9 +188,9 @@ def test_an_interrupted_run_resumes_and_reuses_the_reference(failed, checkpoint,
         calls["reference"] += kw.get("reference") is None
         return batched_run(model_fn, sampler, cond, t, **kw)
 
-    monkeypatch.setattr(tuning, "stack_distances", counted_search)
-    monkeypatch.setattr(tuning, "gate_budget", counted_budget)
-    monkeypatch.setattr(tuning, "batched_run", counted_run)
+    monkeypatch.setattr(run, "stack_distances", counted_search)
+    monkeypatch.setattr(run, "gate_budget", counted_budget)
+    monkeypatch.setattr(gate, "batched_run", counted_run)
     with pytest.raises(KeyboardInterrupt):
         tune.main(compose_tune(checkpoint, tmp_path, cache, *FAIL))
     assert not (tmp_path / "sampler.yaml").exists()
@@ -179,16 +201,27 @@ def test_an_interrupted_run_resumes_and_reuses_the_reference(failed, checkpoint,
     assert resumed["budgets"] == whole["budgets"] and resumed["gate"] == whole["gate"]
 
 
-def test_the_gate_is_held_out_from_the_search(checkpoint, cache, tmp_path, capsys):
-    """Searched on the user's scans, gated on their masks: the masks of the searched volumes are left out, and the
-    gate's noise seed may not be the search's."""
+def test_the_gate_is_held_out_from_the_search(checkpoint, cache, tmp_path, capsys, monkeypatch):
+    """Searched on the user's scans, gated on their masks: the masks of the searched volumes are left out; the
+    reference and every candidate draw sample i's noise from seed (gate.seed, i), and the gate's noise seed may not be
+    the search's."""
+    x_T, run_trajectory = [], gate.run_trajectory
+
+    def noted(model_fn, sampler, cond, noise, **kw):
+        x_T.append(noise.x_T)
+        return run_trajectory(model_fn, sampler, cond, noise, **kw)
+
+    monkeypatch.setattr(gate, "run_trajectory", noted)
     write_phantom_niftis(tmp_path / "data", 3, SIZE, seed=3)
     masks = tmp_path / "masks"
     shutil.copytree(tmp_path / "data" / "mask", masks)
     write_phantom_niftis(tmp_path / "more", 1, SIZE, seed=7, names=["zz_other"])
     shutil.copy(tmp_path / "more" / "mask" / "zz_other.nii.gz", masks)
     data = ["data=whole_head", f"data.root={tmp_path / 'data'}"]
-    tune.main(compose_tune(checkpoint, tmp_path / "out", cache, *PASS, *data, f"masks={masks}"))
+    tune.main(compose_tune(checkpoint, tmp_path / "out", tmp_path / "cache", *PASS, *data, f"masks={masks}"))
+    drawn = torch.cat(x_T).split(10)  # the reference's N = 10, then the candidate's
+    gate_noise = torch.cat([fixed_noise((1, 1, *SIZE), 10, gate.sample_seed(1, i)).x_T for i in range(10)])
+    assert len(drawn) == 2 and all(torch.equal(run_x_T, gate_noise) for run_x_T in drawn)
     held = read_tuned(tmp_path / "out" / "sampler.yaml")["gate"]["held_out"]
     assert held["masks"] == ["phantom_0002.nii.gz", "zz_other.nii.gz"]
     assert held["left_out"] == ["phantom_0000.nii.gz", "phantom_0001.nii.gz"]
@@ -225,6 +258,21 @@ def test_bad_input_is_one_line_and_leaves_no_result(checkpoint, cache, tmp_path,
         line = refusal(capsys, tune.main, compose_tune(checkpoint, out, cache, *overrides))
         assert re.search(pattern, line), (name, line)
         assert not [p.name for p in out.glob("*") if p.name != ".hydra"], name
+
+
+def test_an_n_the_bias_checks_cannot_fail_at_is_refused_before_anything_is_sampled(checkpoint, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """N = 8 gives the bias checks' sign-flip test a smallest p of 2 / 2^8, above alpha.bias over the 5 probed
+    timesteps: refused in one line naming the option before the search, the timing forward or any trajectory ran."""
+    ran = []
+    monkeypatch.setattr(run, "stack_distances", lambda *args: ran.append("search"))
+    monkeypatch.setattr(run, "seconds_per_volume", lambda *args: ran.append("timing"))
+    monkeypatch.setattr(gate, "run_trajectory", lambda *args, **kw: ran.append("trajectory"))
+    out = tmp_path / "out"
+    line = refusal(capsys, tune.main, compose_tune(checkpoint, out, tmp_path / "cache", "quality.n_samples=8"))
+    assert line == ("quality.n_samples=8: the bias checks' sign-flip test cannot reach p < 0.002 (alpha.bias 0.01 "
+                    "over 5 probed timesteps, Holm), so they could never fail; pass quality.n_samples>=10")
+    assert ran == [] and not [p.name for p in out.glob("*") if p.name != ".hydra"]
 
 
 def test_another_tuning_in_the_output_dir_is_refused(passed, checkpoint, cache, capsys):
