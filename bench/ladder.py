@@ -142,12 +142,15 @@ def run(cfg: DictConfig) -> int:
     return run_ladder(Path(cfg.out), jobs, budget_s, cfg.dry_run, cfg.refresh, complete_baselines=not cfg.only)
 
 
-@hydra.main(config_path="../configs", config_name="ladder", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="ladder", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> int:
     with stopped_together():  # Ctrl-C or an outer timeout also stops the commands e2e and quality_training run
         return run(cfg)
 
 
+console = cli.console(main)  # the med-ddpm-ladder command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

@@ -13,18 +13,14 @@ Example:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig
 
 from med_ddpm import cli
 from med_ddpm.samplers.tuning import RESULT, SAMPLE_HINT, run
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
-
-@hydra.main(config_path=CONFIG_DIR, config_name="tune", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="tune", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     out_dir = cli.output_dir(cfg)
@@ -38,5 +34,8 @@ def main(cfg: DictConfig) -> None:
               "refuses it); pass larger budgets=[...]")
 
 
+console = cli.console(main)  # the med-ddpm-tune command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

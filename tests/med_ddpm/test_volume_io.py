@@ -1,6 +1,5 @@
 """Writing model-order volumes back to NIfTI with the mask's affine/header, and PNG montages."""
 
-from pathlib import Path
 
 import nibabel as nib
 import numpy as np
