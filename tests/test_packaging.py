@@ -84,7 +84,7 @@ def build_wheel(out: Path) -> zipfile.ZipFile:
     for name in (*PACKAGES, "configs"):
         shutil.copytree(REPO / name, src / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "results"))
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                            "-w", str(out / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return zipfile.ZipFile(next((out / "dist").glob("*.whl")))
