@@ -33,6 +33,9 @@ test: $(STAMP) ## run the fast CPU test suite (gpu/slow/e2e deselected, a worker
 test-e2e: $(STAMP) ## run the tests that start commands of their own, end to end (CI's second step)
 	$(BIN)/python -m pytest -q -n auto -m e2e
 
+test-wheel: $(STAMP) ## build the wheel, install it in a fresh venv, tiny train + sample + bench report outside the repo
+	PY=$(PY) TORCH_CPU=$(TORCH_CPU) .ci/test-wheel $(BIN)/python
+
 test-gpu: $(STAMP) ## run the GPU tests that fit one 10-minute device call (on a CUDA machine)
 	$(BIN)/python -m pytest -q -m gpu
 
@@ -81,4 +84,4 @@ report: $(STAMP) ## report.md/report.csv/PNGs for a sweep directory (SWEEP_DIR=.
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun results .pytest_cache
 
-.PHONY: help install test test-e2e test-gpu test-gpu-long test-slow lint demo bench-smoke stamp bench profile counters report clean
+.PHONY: help install test test-e2e test-wheel test-gpu test-gpu-long test-slow lint demo bench-smoke stamp bench profile counters report clean

@@ -382,7 +382,7 @@ def time_left(budget_s: float | None) -> float:
     return float("inf") if budget_s is None else float(budget_s) - (time.monotonic() - _STARTED[0])
 
 
-@hydra.main(config_path="../configs", config_name="counters", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="counters", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()

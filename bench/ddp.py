@@ -147,7 +147,7 @@ def measure(cfg: DictConfig, model_name: str | None) -> dict[str, Any] | None:
     return row if distributed.rank() == 0 else None
 
 
-@hydra.main(config_path="../configs", config_name="ddp", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="ddp", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     check_options(cfg)  # the training command's checks: a bad option is one line, not a traceback per rank

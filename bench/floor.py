@@ -200,7 +200,7 @@ def check_mode(cfg: DictConfig) -> bool:
     return False
 
 
-@hydra.main(config_path="../configs", config_name="floor", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="floor", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     measure = check_mode(cfg)

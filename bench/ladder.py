@@ -147,12 +147,15 @@ def run(cfg: DictConfig) -> int:
                       logger=OmegaConf.to_container(cfg.logger, resolve=True) if wandb else None)
 
 
-@hydra.main(config_path="../configs", config_name="ladder", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="ladder", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> int:
     with stopped_together():  # Ctrl-C or an outer timeout also stops the commands e2e and quality_training run
         return run(cfg)
 
 
+console = cli.console(main)  # the med-ddpm-ladder command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

@@ -240,7 +240,7 @@ def check_kinds(cfg: DictConfig) -> tuple[str, ...]:
     return tuple(check_one_of("kinds", kind, list(KINDS)) for kind in kinds)
 
 
-@hydra.main(config_path="../configs", config_name="micro", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="micro", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     kinds, size, iters = check_kinds(cfg), check_int(cfg, "size", 2), check_int(cfg, "iters", 1)

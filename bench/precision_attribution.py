@@ -143,7 +143,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@hydra.main(config_path="../configs", config_name="precision_attribution", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="precision_attribution", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     n, dtype = check_int(cfg, "n", 1), getattr(torch, check_choice(cfg, "dtype", DTYPES))

@@ -311,7 +311,7 @@ def ncu_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="bench", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     refuse_wandb(cfg.logger, "bench.profile", "profile.json and the markdown are its record")
@@ -333,5 +333,8 @@ def main(cfg: DictConfig) -> None:
     print(write_outputs(out, record))
 
 
+console = cli.console(main)  # the med-ddpm-profile command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

@@ -112,7 +112,7 @@ def summary_markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@hydra.main(config_path="../configs", config_name="quality_card", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="quality_card", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     run, out = Path(cfg.run), Path(cfg.out)

@@ -470,7 +470,7 @@ def results_folder(cfg: DictConfig) -> Path:
     return folder
 
 
-@hydra.main(config_path="../configs", config_name="report", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="report", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     if cfg.publish:
@@ -482,5 +482,8 @@ def main(cfg: DictConfig) -> None:
     print(write_report(folder, cfg.metric, cfg.wandb, cfg.wandb_mode))
 
 
+console = cli.console(main)  # the med-ddpm-report command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

@@ -84,7 +84,7 @@ def check_options(cfg: DictConfig) -> None:
         log.warning("%s: inert on this device (it changes nothing here); the row gets no speed-up", ", ".join(inert))
 
 
-@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="bench", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> tuple[float, float]:
     cli.output_dir(cfg)
@@ -97,5 +97,8 @@ def main(cfg: DictConfig) -> tuple[float, float]:
     return float(row["ms_median"]), quality_objective(row, cfg.bench.objective)
 
 
+console = cli.console(main)  # the med-ddpm-sweep command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

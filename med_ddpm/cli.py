@@ -39,6 +39,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,10 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from med_ddpm.config_checks import OutputError, UserError
 from optim.base import RecipeConflictError, UnsupportedRecipeError
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# configs/ of this install: the copy the wheel ships in the package, or in a checkout (editable or `python -m` from
+# its root) the link med_ddpm/configs to the top-level folder, resolved so paths name configs/ itself.
+CONFIG_DIR = Path(str(resources.files("med_ddpm") / "configs")).resolve()
+CONFIG_PATH = str(CONFIG_DIR)  # as @hydra.main's config_path takes it
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 3
 OOM_FIX = ("lower train.batch_size or num_samples, add memory-saving recipes (amp_bf16, checkpointing) or use a "
@@ -190,6 +194,12 @@ def run(main: Callable[[], Any], *, teardown: bool = True) -> None:
             raise
     if not teardown:
         exit_without_teardown()
+
+
+def console(main: Callable[[], Any], *, teardown: bool = True) -> Callable[[], None]:
+    """``main`` run by :func:`run`: a module's console script (pyproject's ``[project.scripts]``), which its
+    ``python -m`` calls too, so both report errors alike."""
+    return functools.partial(run, main, teardown=teardown)
 
 
 def exit_without_teardown() -> None:

@@ -56,5 +56,8 @@ def main(cfg: DictConfig) -> None:
     print(f"metrics.json, summary.md and montage.png in {out.resolve()}")
 
 
+console = cli.console(main)  # the med-ddpm-evaluate command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

@@ -358,5 +358,8 @@ def main(cfg: DictConfig) -> None:
     distributed.cleanup()
 
 
+console = cli.console(main, teardown=False)  # med-ddpm-sample; every file is written and closed when main returns
+
+
 if __name__ == "__main__":
-    cli.run(main, teardown=False)  # every file is written and closed when main returns
+    console()

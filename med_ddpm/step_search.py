@@ -112,5 +112,8 @@ def main(cfg: DictConfig) -> None:
     print(usage_hint(cfg, written))
 
 
+console = cli.console(main)  # the med-ddpm-step-search command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

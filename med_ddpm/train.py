@@ -415,5 +415,8 @@ def check_output_dir(out_dir: Path, resume: str | None) -> None:
                           "resume=auto to continue it, or choose another output_dir=")
 
 
+console = cli.console(main)  # the med-ddpm-train command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

@@ -34,8 +34,6 @@ from med_ddpm.tuning.report import SAMPLE_HINT
 from med_ddpm.tuning.run import run
 from med_ddpm.tuning.state import RESULT, STATE
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-
 
 def log_budgets(cfg: DictConfig, out_dir: Path) -> None:
     """With ``logger=wandb``, each budget gated is one W&B run (once: ``wandb_runs.jsonl`` lists those logged),
@@ -61,7 +59,7 @@ def log_budgets(cfg: DictConfig, out_dir: Path) -> None:
         mark_logged(out_dir, key, tracker.id)
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="tune", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="tune", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     out_dir = cli.output_dir(cfg)
@@ -77,5 +75,8 @@ def main(cfg: DictConfig) -> None:
               "refuses it); pass larger budgets=[...]")
 
 
+console = cli.console(main)  # the med-ddpm-tune command
+
+
 if __name__ == "__main__":
-    cli.run(main)
+    console()

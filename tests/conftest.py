@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to ../shared (CI has it beside the checkout) and tiny models.
+"""Shared fixtures: the golden reference (tests/data/reference), the real sample MRI volumes (outside the
+clone, skipped when absent) and tiny models.
 
 The suite runs on one CPU thread, here and in every command a test starts: on a 2-core box shared with other
 work, two OpenMP threads spin-wait for each other (a 16³ training step of the tiny model took 4 to 8 s on two
@@ -14,7 +15,13 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+REFERENCE = REPO / "tests" / "data" / "reference"
+# The Med-DDPM repository's sample volumes (GPL v3) stay out of the clone; CI keeps them in ../shared/data.
+SAMPLE_DATA_ENV = "MED_DDPM_SAMPLE_DATA"
+SAMPLE_DATA = Path(os.environ.get(SAMPLE_DATA_ENV) or REPO.parent / "shared" / "data")
+WHOLE_HEAD = SAMPLE_DATA / "whole_head"
+NO_SAMPLE_DATA = (f"the real sample MRI volumes are not at {WHOLE_HEAD}: set {SAMPLE_DATA_ENV} to the folder "
+                  "holding whole_head/ (the Med-DDPM repository's dataset/)")
 
 # torch's own choice (the CPU's cores, or $OMP_NUM_THREADS), kept in the environment for pytest-xdist's workers,
 # which start with the OMP_NUM_THREADS=1 set below
@@ -24,15 +31,18 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    """../shared: reference checkpoint, golden tensors and sample NIfTI data. Never skipped."""
-    assert SHARED.is_dir(), f"{SHARED} is missing: tests need the shared reference data beside the checkout"
-    return SHARED
+def whole_head_data() -> Path:
+    """The real whole-head sample (``image/``, ``mask/``); a test using it is skipped, always with the one reason
+    :data:`NO_SAMPLE_DATA`, where it is absent."""
+    if not WHOLE_HEAD.is_dir():
+        pytest.skip(NO_SAMPLE_DATA)
+    return WHOLE_HEAD
 
 
 @pytest.fixture(scope="session")
-def reference_dir(shared_dir: Path) -> Path:
-    return shared_dir / "reference"
+def reference_dir() -> Path:
+    """The original-format checkpoint and the original code's tensors (tests/data/reference/README.md)."""
+    return REFERENCE
 
 
 @pytest.fixture(autouse=True)

@@ -98,8 +98,8 @@ def test_every_pair_of_recipes_combines_or_conflicts_clearly():
                        ("cudnn_benchmark", "torch_defaults")}
 
 
-def test_data_configs_instantiate(shared_dir):
-    cfg = compose_cfg("train", ["data=whole_head", f"data.root={shared_dir / 'data' / 'whole_head'}"])
+def test_data_configs_instantiate(whole_head_data):
+    cfg = compose_cfg("train", ["data=whole_head", f"data.root={whole_head_data}"])
     with pytest.warns(UserWarning, match="no image"):
         assert len(build_dataset(cfg.data, cfg.model.image_size)) == 1
     assert len(build_dataset(compose_cfg("train", []).data, [32, 32, 32])) == 8

@@ -1,7 +1,8 @@
 """Every command shown in README.md and docs/**/*.md works as written.
 
 The commands are the lines of the fenced code blocks (bash, sh, shell, console or no language) that run
-``make``, ``python -m``, ``.venv/bin/python -m`` or ``torchrun ... -m``. Each is checked without running it:
+``make``, ``python -m``, ``.venv/bin/python -m``, ``torchrun ... -m`` or a console script (``med-ddpm-train``, the
+module pyproject.toml names). Each is checked without running it:
 
 * a module with ``@hydra.main`` (``med_ddpm.train``, ``med_ddpm.sample``, ``bench.sweep`` ...) is composed
   in-process with the command's overrides, every job of a multirun sweep (``-m 'recipe=[],[tf32]'``) apart,
@@ -24,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,9 @@ PYTHONS = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
 ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 HYDRA_FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help"}
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
+SCRIPTS = {name: target.partition(":")[0]
+           for name, target in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()}
+SCRIPT_PREFIX = "med-ddpm-"  # a command so named is checked, so a misspelt or dropped script fails
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ def is_project_command(argv: list[str]) -> bool:
     argv = without_env(argv)
     if not argv:
         return False
-    if argv[0] == "make":
+    if argv[0] == "make" or argv[0].startswith(SCRIPT_PREFIX):
         return True
     return (bool(PYTHONS.match(argv[0])) or argv[0] == "torchrun") and "-m" in argv
 
@@ -126,7 +131,11 @@ def as_param(command: Command):
 
 
 def split_module(argv: tuple[str, ...]) -> tuple[str, list[str]]:
-    """``python -m MOD ARGS`` or ``torchrun [OPTS] -m MOD ARGS`` -> (MOD, ARGS)."""
+    """``python -m MOD ARGS``, ``torchrun [OPTS] -m MOD ARGS`` or ``SCRIPT ARGS`` -> (MOD, ARGS)."""
+    script, *args = without_env(argv)
+    if script.startswith(SCRIPT_PREFIX):
+        assert script in SCRIPTS, f"{script}: not a console script of pyproject.toml ({', '.join(SCRIPTS)})"
+        return SCRIPTS[script], args
     at = argv.index("-m")
     return argv[at + 1], list(argv[at + 2:])
 
@@ -231,7 +240,7 @@ def check_make(argv) -> list[list[str]]:
 
 
 def check_python(argv) -> None:
-    """A ``python -m`` or ``torchrun -m`` command: compose it (Hydra) or parse its arguments."""
+    """A ``python -m``, ``torchrun -m`` or console-script command: compose it (Hydra) or parse its arguments."""
     module, args = split_module(tuple(argv))
     config_name = hydra_config_name(module)
     if config_name is None:
@@ -254,7 +263,8 @@ def test_command_works_as_written(command: Command):
 def test_readme_shows_the_quick_start():
     """The README's quick start covers set-up, train, sample, evaluate and bench, in a fresh shell."""
     readme = [c for c in COMMANDS if c.page == "README.md"]
-    shown = {c.argv[c.argv.index("-m") + 1] if "-m" in c.argv else " ".join(without_env(c.argv)) for c in readme}
+    shown = {split_module(c.argv)[0] if "-m" in c.argv or c.argv[0] in SCRIPTS else " ".join(without_env(c.argv))
+             for c in readme}
     assert {"make demo", "make test", "med_ddpm.train", "med_ddpm.sample", "med_ddpm.evaluate"} <= shown
     assert any(m.startswith("bench.") for m in shown)
     pythons = {without_env(c.argv)[0] for c in readme if PYTHONS.match(without_env(c.argv)[0])}
@@ -271,6 +281,7 @@ PY=python3.12 make test   # comment
 .venv/bin/python -m bench.sweep -m 'recipe=[],[tf32]' \\
   bench=train_step
 torchrun --standalone --nproc_per_node=2 -m med_ddpm.train train.max_steps=1
+med-ddpm-sweep -m 'recipe=[],[tf32]'
 ls results/  # not ours
 ```
 ```yaml
@@ -281,7 +292,9 @@ python -m not.a.shell.block
     argvs = [a for _, line in lines for a in commands_in(line) if is_project_command(a)]
     assert argvs == [["PY=python3.12", "make", "test"],
                      [".venv/bin/python", "-m", "bench.sweep", "-m", "recipe=[],[tf32]", "bench=train_step"],
-                     ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "med_ddpm.train", "train.max_steps=1"]]
+                     ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "med_ddpm.train", "train.max_steps=1"],
+                     ["med-ddpm-sweep", "-m", "recipe=[],[tf32]"]]
+    assert split_module(tuple(argvs[-1])) == ("bench.sweep", ["-m", "recipe=[],[tf32]"])
     assert [n for n, _ in lines][:2] == [3, 4]
     assert hydra_overrides(["-m", "a=1", "--cfg", "job", "b=[x,y]"]) == ["a=1", "b=[x,y]"]
     assert sweep_jobs(["recipe=[],[tf32]", "bench=train_step"]) == [["recipe=[]", "bench=train_step"],
@@ -298,6 +311,8 @@ def test_a_stale_command_fails():
         check_hydra("train", ["recipe=[no_such_recipe]"])
     with pytest.raises(AssertionError, match="hydra.launcher.no_such_key"):
         without_slurm_launcher(["hydra/launcher=slurm", "hydra.launcher.no_such_key=1"])
+    with pytest.raises(AssertionError, match="med-ddpm-trian: not a console script"):
+        check_python(("med-ddpm-trian", "experiment=smoke"))
     if shutil.which("make"):
         with pytest.raises(AssertionError, match="no_such_target"):
             check_make(("make", "no_such_target"))

@@ -1,8 +1,8 @@
 """NIfTI datasets for Med-DDPM: up-front validation, MONAI preprocessing, caching (which files make a case:
 :mod:`med_ddpm.data.discovery`).
 
-Two on-disk layouts are supported, as documented in ``../shared/data/README.md`` and
-``../shared/reference/BRATS.md``:
+Two on-disk layouts are supported, as documented in the Med-DDPM repository's sample data and
+``tests/data/reference/BRATS.md``:
 
 * whole-head: ``<root>/image/<name>.nii.gz`` + ``<root>/mask/<name>.nii.gz`` paired by file name
   (labels 0 background, 1 brain/head, 2 tumour -> 2 condition channels in {-1, 1});

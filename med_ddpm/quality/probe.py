@@ -38,12 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.quality.gate import QualityGate, QualityReport, TrajectoryRun
 from med_ddpm.samplers import DDPMSampler, Sampler, sample, sampler_from_config
 from med_ddpm.utils import atomic_save, json_safe
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quality" / "default.yaml"
+DEFAULT_CONFIG = CONFIG_DIR / "quality" / "default.yaml"
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]

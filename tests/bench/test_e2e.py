@@ -26,26 +26,26 @@ from bench.core.e2e import (
 from bench.core.records import read_rows
 from bench.ladder import e2e_args
 from med_ddpm.config_checks import ConfigError
+from med_ddpm.data.phantoms import write_phantom_niftis
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
-SHARED = REPO.parent / "shared"
-WHOLE_HEAD = SHARED / "data" / "whole_head"
-CHECKPOINT = SHARED / "reference" / "wholehead_small_ckpt.pt"  # original Med-DDPM format, 32^3 architecture
+CHECKPOINT = REPO / "tests" / "data" / "reference" / "wholehead_small_ckpt.pt"  # original format, 32^3 architecture
 
 
-def args_for(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {"out": str(tmp_path), "data_root": str(WHOLE_HEAD), "checkpoint": str(CHECKPOINT),
+def args_for(tmp_path: Path, data_root: Path, **extra: str) -> dict[str, str]:
+    return {"out": str(tmp_path), "data_root": str(data_root), "checkpoint": str(CHECKPOINT),
             "brats_root": str(tmp_path / "brats"), **extra}
 
 
 def test_every_e2e_job_is_a_command_that_composes(tmp_path):
     """The ladder's e2e jobs are the README's commands: fast_train takes data.root and trains graphed at
-    batch 2 without accumulation; fast_sample samples the masks it is given."""
+    batch 2 without accumulation; fast_sample samples the masks it is given (phantoms: composing reads none)."""
+    write_phantom_niftis(tmp_path / "phantoms", 4, (8, 8, 8))
     rows = {}
     for n, job in enumerate(j.overrides for j in presets.jobs("e2e", {})):
         own, overrides = split_job(job)
-        argv = command(own, overrides, args_for(tmp_path), tmp_path / f"job{n}")
+        argv = command(own, overrides, args_for(tmp_path, tmp_path / "phantoms"), tmp_path / f"job{n}")
         rows[" ".join(job)] = workload(argv, None)
     assert len(rows) == 11 and sum("compile_cudagraphs.aot=true" in job for job in rows) == 4  # composed: key exists
     train = next(r for k, r in rows.items() if "fast_train" in k)
@@ -142,7 +142,7 @@ def test_a_job_without_its_keys_and_bad_arguments_are_refused():
 
 
 @pytest.mark.slow
-def test_the_real_clis_run_and_leave_rows(tmp_path):
+def test_the_real_clis_run_and_leave_rows(whole_head_data, tmp_path):
     """Sampling 3 masks (32^3, 2 DDIM steps) and 6 training steps of a 2-level 16^3 net, in fresh processes."""
     jobs = [["scenario=e2e_sample", "masks=3", "compile_cache=cold", "image_size=[32,32,32]", "sampler=ddim",
              "sampler.steps=2"],
@@ -150,7 +150,7 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
              "model.image_size=[16,16,16]", "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=6",
              "data.num_workers=1"]]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):  # as inside bench.ladder's Hydra app
-        assert run(iter(jobs), args_for(tmp_path, import_times="True")) == 0
+        assert run(iter(jobs), args_for(tmp_path, whole_head_data, import_times="True")) == 0
     sample, train = read_rows(tmp_path)
     assert sample["status"] == train["status"] == "ok", (sample["message"], train["message"])
     assert sample["volumes"] == 3 and sample["image_size"] == [32, 32, 32] and sample["compile_cache"] == "off"
@@ -160,19 +160,19 @@ def test_the_real_clis_run_and_leave_rows(tmp_path):
     assert train["steady_steps"] == 3 and train["ms_per_volume"] > 0 and 0 <= train["data_wait_pct"] < 100
     timings = json.loads((tmp_path / "jobs" / "e2e_01" / "run" / "timings.json").read_text())
     assert timings["steps"] == 6 and timings["volumes_per_step"] == 2
-    assert run(iter(jobs), args_for(tmp_path)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
+    assert run(iter(jobs), args_for(tmp_path, whole_head_data)) == 0 and len(read_rows(tmp_path)) == 2  # resumed: nothing reruns
     table = (tmp_path / "e2e.md").read_text().splitlines()
     assert f"| {sample['total_s']} |" in table[2] and table[3].endswith("| ok |") and table[4] == ""
     assert table[5].startswith("Imports by package") and len(table) == 11  # then a line per row with import_s
 
 
 @pytest.mark.slow
-def test_a_warm_compile_cache_reaches_the_training_loop(tmp_path):
+def test_a_warm_compile_cache_reaches_the_training_loop(whole_head_data, tmp_path):
     """Cold, then warm: the second training run loads the artifacts the first saved after its first step."""
     train = ["scenario=e2e_train", "experiment=whole_head", "model=tiny", "model.image_size=[16,16,16]",
              "model.channel_mult=[1,2]", "model.attention_ds=[2]", "train.max_steps=4", "train.grad_accum=1",
              "data.num_workers=0", "recipe=[compile]"]
-    assert run(iter([[*train, "compile_cache=cold"], [*train, "compile_cache=warm"]]), args_for(tmp_path)) == 0
+    assert run(iter([[*train, "compile_cache=cold"], [*train, "compile_cache=warm"]]), args_for(tmp_path, whole_head_data)) == 0
     cold, warm = read_rows(tmp_path)
     assert (cold["status"], warm["status"]) == ("ok", "ok"), (cold["message"], warm["message"])
     assert (cold["compile_cache"], warm["compile_cache"]) == ("cold", "warm")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import shutil
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -72,9 +74,10 @@ def test_missing_file_names_the_path(tmp_path):
     ("nifti", "gzip data, such as a .nii.gz volume"),
     ("plain_nifti", "a NIfTI volume"),
 ])
-def test_unreadable_file_names_the_path_a_short_reason_and_the_fix(kind, reason, ckpt_path, shared_dir, tmp_path):
+def test_unreadable_file_names_the_path_a_short_reason_and_the_fix(kind, reason, ckpt_path, tmp_path):
     """torch's own message advises loading with ``weights_only=False``: unsafe advice for a file of unknown origin."""
-    nifti = (shared_dir / "data" / "whole_head" / "mask" / "sample_0.nii.gz").read_bytes()
+    nib.save(nib.Nifti1Image(np.zeros((4, 4, 4), np.uint8), np.eye(4)), tmp_path / "mask.nii.gz")
+    nifti = (tmp_path / "mask.nii.gz").read_bytes()
     content = {"truncated": ckpt_path.read_bytes()[:5000], "empty": b"", "nifti": nifti,
                "plain_nifti": gzip.decompress(nifti)}[kind]
     bad = tmp_path / f"{kind}.pt"

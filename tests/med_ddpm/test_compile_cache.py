@@ -153,11 +153,11 @@ def test_the_commands_do_not_import_inductor_without_a_compile_recipe():
 
 
 @pytest.mark.slow
-def test_sampling_with_aot_loads_its_compiled_forward_in_the_next_run(tmp_path, shared_dir):
+def test_sampling_with_aot_loads_its_compiled_forward_in_the_next_run(tmp_path, reference_dir, whole_head_data):
     """``recipe.compile.aot=true``: the first run saves the compiled forward, the second loads it, same volumes."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "HYDRA_FULL_ERROR")}
-    argv = [sys.executable, "-m", "med_ddpm.sample", f"checkpoint={shared_dir / 'reference' / 'wholehead_small_ckpt.pt'}",
-            f"masks={shared_dir / 'data' / 'whole_head' / 'mask' / 'sample_0.nii.gz'}", "image_size=[32,32,32]",
+    argv = [sys.executable, "-m", "med_ddpm.sample", f"checkpoint={reference_dir / 'wholehead_small_ckpt.pt'}",
+            f"masks={whole_head_data / 'mask' / 'sample_0.nii.gz'}", "image_size=[32,32,32]",
             "sampler=ddim", "sampler.steps=2", "device=cpu", "recipe=[compile]", "recipe.compile.aot=true",
             f"paths.compile_cache={tmp_path / 'cache'}", "progress=false"]
     for run in ("a", "b"):

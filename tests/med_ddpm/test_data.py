@@ -21,16 +21,14 @@ from med_ddpm.data.encoding import VARIANTS, labels_to_cond, medddpm_slice_minma
 from med_ddpm.data.phantoms import SyntheticPhantoms, generate_phantom, write_phantom_niftis
 
 REPO = Path(__file__).resolve().parents[2]
-WHOLE_HEAD = REPO.parent / "shared" / "data" / "whole_head"
 REAL = 128
 SIZE = (16, 16, 16)
 
 
 @pytest.fixture(scope="module")
-def real_dataset():
-    assert WHOLE_HEAD.is_dir(), f"{WHOLE_HEAD} missing: CI provides ../shared/data (see its README.md)"
+def real_dataset(whole_head_data):
     with pytest.warns(UserWarning, match="3 masks have no image") as record:
-        dataset = WholeHeadDataset(WHOLE_HEAD, (REAL, REAL, REAL))
+        dataset = WholeHeadDataset(whole_head_data, (REAL, REAL, REAL))
     message = str(record[0].message)
     assert all(f"sample_{i}.nii.gz" in message for i in range(3)) and "sample_3" not in message
     return dataset
@@ -42,9 +40,9 @@ def real_item(real_dataset):
 
 
 @pytest.fixture(scope="module")
-def real_nifti():
-    image = nib.load(WHOLE_HEAD / "image" / "sample_3.nii.gz").get_fdata()
-    mask = np.asanyarray(nib.load(WHOLE_HEAD / "mask" / "sample_3.nii.gz").dataobj)
+def real_nifti(whole_head_data):
+    image = nib.load(whole_head_data / "image" / "sample_3.nii.gz").get_fdata()
+    mask = np.asanyarray(nib.load(whole_head_data / "mask" / "sample_3.nii.gz").dataobj)
     return image, mask
 
 
@@ -67,16 +65,16 @@ def test_real_axis_convention(real_item, real_nifti):
     assert np.array_equal(real_item["cond"][1].numpy() > 0, (mask == 2).transpose(2, 1, 0))
 
 
-def test_real_orphan_masks_listed():
-    pairing = list_pairs(WHOLE_HEAD)
+def test_real_orphan_masks_listed(whole_head_data):
+    pairing = list_pairs(whole_head_data)
     assert [c.name for c in pairing.pairs] == ["sample_3"]
     assert [p.name for p in pairing.orphan_masks] == [f"sample_{i}.nii.gz" for i in range(3)]
 
 
-def test_medddpm_slice_minmax_matches_sklearn_restatement(real_nifti):
+def test_medddpm_slice_minmax_matches_sklearn_restatement(real_nifti, whole_head_data):
     """sklearn MinMaxScaler on the (i*j, k) reshape: every k-slice to [0, 1] on its own, constant -> 0."""
     with pytest.warns(UserWarning, match="masks have no image"):
-        item = WholeHeadDataset(WHOLE_HEAD, (REAL,) * 3, intensity="medddpm_slice_minmax")[0]
+        item = WholeHeadDataset(whole_head_data, (REAL,) * 3, intensity="medddpm_slice_minmax")[0]
     image = real_nifti[0]
     flat = image.reshape(-1, image.shape[-1])
     lo, span = flat.min(axis=0), flat.max(axis=0) - flat.min(axis=0)
@@ -87,8 +85,8 @@ def test_medddpm_slice_minmax_matches_sklearn_restatement(real_nifti):
     assert constant.sum() == 8 and np.all(item["image"][0].numpy()[constant] == -1)  # README: 8 constant slices
 
 
-def test_load_condition_real_mask():
-    cond, nifti = load_condition(WHOLE_HEAD / "mask" / "sample_0.nii.gz", "whole_head", (REAL,) * 3)
+def test_load_condition_real_mask(whole_head_data):
+    cond, nifti = load_condition(whole_head_data / "mask" / "sample_0.nii.gz", "whole_head", (REAL,) * 3)
     assert cond.shape == (2, REAL, REAL, REAL) and int((cond[1] > 0).sum()) == 443
     expected = np.diag([1.5, 1.5, 1.5, 1.0])
     expected[:3, 3] = (-94.75, -112.75, -73.75)

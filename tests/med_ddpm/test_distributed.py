@@ -94,8 +94,8 @@ def test_resume_with_another_world_size(ddp_run, tmp_path):
 
 
 @pytest.mark.slow  # a torchrun launch of the sampling command
-def test_two_rank_sampling_writes_each_mask_once(ddp_run, shared_dir, tmp_path):
-    masks = shared_dir / "data" / "whole_head" / "mask"
+def test_two_rank_sampling_writes_each_mask_once(ddp_run, whole_head_data, tmp_path):
+    masks = whole_head_data / "mask"
     args = [f"checkpoint={ddp_run}", f"masks={masks}", "sampler=ddim", "sampler.steps=2"]
     log = torchrun("med_ddpm.sample", tmp_path / "ddp", *args)
     wrote = Counter(Path(p).name for p in re.findall(r"wrote (\S+\.nii\.gz)", log))

@@ -1,4 +1,4 @@
-"""med_ddpm.evaluate on the shared whole-head data (cut to 32^3): metrics, outputs and every bad input."""
+"""med_ddpm.evaluate on the real whole-head sample (cut to 32^3): metrics, outputs and every bad input."""
 
 import json
 import subprocess
@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def whole_head(shared_dir):
+def whole_head(whole_head_data):
     """The one complete image/mask pair, every 4th voxel (32^3), and the four masks at the same grid."""
-    root = shared_dir / "data" / "whole_head"
+    root = whole_head_data
     image = np.asanyarray(nib.load(root / "image" / "sample_3.nii.gz").dataobj)[::4, ::4, ::4].astype(np.float32)
     masks = {p.name: np.asanyarray(nib.load(p).dataobj)[::4, ::4, ::4] for p in sorted((root / "mask").glob("*.nii.gz"))}
     return image, masks

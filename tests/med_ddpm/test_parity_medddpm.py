@@ -1,4 +1,4 @@
-"""Parity with the original Med-DDPM: golden tensors from ../shared/reference (see its README).
+"""Parity with the original Med-DDPM: golden tensors from tests/data/reference (see its README).
 
 Tolerances are the README's recommended ones (float32 CPU re-implementation).
 """

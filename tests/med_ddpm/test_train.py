@@ -212,8 +212,8 @@ def trained(tmp_path_factory):
     return out / "checkpoints" / "last.pt"
 
 
-def test_sample_cli_writes_nifti_with_the_mask_affine(trained, shared_dir, tmp_path):
-    mask = shared_dir / "data" / "whole_head" / "mask" / "sample_1.nii.gz"
+def test_sample_cli_writes_nifti_with_the_mask_affine(trained, whole_head_data, tmp_path):
+    mask = whole_head_data / "mask" / "sample_1.nii.gz"
     cfg = cfg_for("sample", tmp_path, f"checkpoint={trained}", f"masks={mask}", "sampler=ddim", "sampler.steps=2")
     written = run_sample(cfg)
     assert [p.name for p in written] == ["sample_1.nii.gz"]

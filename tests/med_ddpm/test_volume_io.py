@@ -1,6 +1,5 @@
 """Writing model-order volumes back to NIfTI with the mask's affine/header, and PNG montages."""
 
-from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -11,8 +10,6 @@ from med_ddpm.config_checks import DataError
 from med_ddpm.data.datasets import load_condition
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import cond_to_labels, save_montage_png, save_volume_like
-
-WHOLE_HEAD = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "whole_head"
 
 
 @pytest.fixture
@@ -42,9 +39,9 @@ def test_round_trip_affine_header_and_axis_order(reference, tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["sample.nii.gz"]  # no temp file left behind
 
 
-def test_real_mask_round_trips_exactly(tmp_path):
+def test_real_mask_round_trips_exactly(whole_head_data, tmp_path):
     """load_condition -> labels -> save_volume_like reproduces the real mask file's voxels and affine."""
-    path = WHOLE_HEAD / "mask" / "sample_1.nii.gz"
+    path = whole_head_data / "mask" / "sample_1.nii.gz"
     cond, nifti = load_condition(path, "whole_head", (128, 128, 128))
     out = save_volume_like(cond_to_labels(cond), path, tmp_path / "labels.nii.gz")
     saved = nib.load(out)
