@@ -173,20 +173,27 @@ def run_trajectory(
 def batched_trajectory(model_fn: ModelFn, sampler: Sampler, cond: torch.Tensor, channels: int, seed: int, batch: int, *,
                        probe_inputs: Mapping[int, torch.Tensor] | None = None,
                        probe_timesteps: Sequence[int] | None = None, forward_context: ContextFactory | None = None,
-                       on_batch: Callable[[int], None] | None = None) -> TrajectoryRun:
+                       on_batch: Callable[[int], None] | None = None,
+                       cache: tuple[str | None, Mapping[str, Any]] | None = None) -> TrajectoryRun:
     """:func:`run_trajectory` over ``batch`` of the N samples at a time, joined into one run: sample i draws its noise
     from seed (``seed``, i) (:func:`batch_noise`), so the run does not depend on ``batch``, and a 128³ gate runs N
     volumes in batches a GPU holds. ``channels``: the image channels sampled; ``on_batch(done)`` is called after each
-    batch."""
+    batch. ``cache``: (folder, key): each batch is stored under the key and its samples' range (:func:`cached`), so a
+    reference longer than one device call, cut, is finished by the same command from its last stored batch."""
     n, steps = len(cond), max(sampler.schedule.num_train_timesteps, len(sampler.timesteps))
     shape = (n, channels, *cond.shape[2:])
     runs = []
     for start in range(0, n, batch):
         part = range(start, min(start + batch, n))
         probes = None if probe_inputs is None else {s: x[part.start:part.stop] for s, x in probe_inputs.items()}
-        runs.append(run_trajectory(model_fn, sampler, cond[part.start:part.stop], batch_noise(shape, steps, seed, part,
-                                   cond.device), probe_timesteps=probe_timesteps, probe_inputs=probes,
-                                   forward_context=forward_context))
+
+        def one(part: range = part, probes: Mapping[int, torch.Tensor] | None = probes) -> TrajectoryRun:
+            return run_trajectory(model_fn, sampler, cond[part.start:part.stop], batch_noise(shape, steps, seed, part,
+                                  cond.device), probe_timesteps=probe_timesteps, probe_inputs=probes,
+                                  forward_context=forward_context)
+
+        folder, key = cache or (None, {})
+        runs.append(cached(folder, {**key, "samples": [part.start, part.stop]}, one))
         if on_batch is not None:
             on_batch(part.stop)
     joined = {key: {s: torch.cat([getattr(r, key)[s] for r in runs]) for s in runs[0].eps_probe}
@@ -285,13 +292,16 @@ def gate_from_config(cfg: Mapping[str, Any], device: torch.device | str, *, chec
     gate = QualityGate(q, device=device)
     gate.check_bias_power(n, len(probes))  # before any trajectory is run
 
-    def strict_reference() -> TrajectoryRun:
-        with RecipeStack([]).session():
-            return batched_trajectory(model, ref_sampler, cond, model.out_channels, seed, batch, probe_timesteps=probes)
-
     weights = {"sha256": file_sha256(checkpoint), "weights": "ema"} if checkpoint else {
         "init": {k: cfg.get(k) for k in ("model", "diffusion", "seed")}}
-    reference = cached(q.get("cache_dir"), reference_key(weights, cond, seed, ref_node, device), strict_reference)
+    key = reference_key(weights, cond, seed, ref_node, device)
+
+    def strict_reference() -> TrajectoryRun:
+        with RecipeStack([]).session():
+            return batched_trajectory(model, ref_sampler, cond, model.out_channels, seed, batch, probe_timesteps=probes,
+                                      cache=(q.get("cache_dir"), key))
+
+    reference = cached(q.get("cache_dir"), key, strict_reference)
     cand_seed = seed if q.get("candidate_seed") is None else int(q["candidate_seed"])
     trajectory = bool(q.get("trajectory", True))
     if other_net is not None:

@@ -161,3 +161,26 @@ def test_a_checkpoint_of_another_size_than_the_masks_is_refused_in_one_line(tmp_
     with pytest.raises(ConfigError) as refused:
         gate(compose("recipe=[]", "model.image_size=[16,16,16]"), weights)
     assert "trained at 8x8x8" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_reference_cut_between_batches_is_finished_from_its_stored_batches(tmp_path, monkeypatch):
+    """A reference longer than one device call: the batches stored before the cut are not run again."""
+    cfg = compose(f"quality.cache_dir={tmp_path}", "recipe=[]", "quality.batch_size=4")
+    recorded = []  # reference batches run: they record their probes
+    real = probe.run_trajectory
+
+    def cut_at_third(*args, **kw):
+        if kw.get("probe_inputs") is None:
+            recorded.append(len(args[2]))
+            if len(recorded) == 3 and cut:
+                raise KeyboardInterrupt("the device call ended")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(probe, "run_trajectory", cut_at_third)
+    cut = True
+    with pytest.raises(KeyboardInterrupt):
+        gate(cfg)
+    cut = False
+    report = gate(cfg)
+    assert recorded == [4, 4, 4, 4, 4], "two batches before the cut, then only the two left and the one cut"
+    assert report["verdict"] == "pass" and report["metrics"]["x0_nrmse"] == 0.0
