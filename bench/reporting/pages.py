@@ -72,9 +72,9 @@ def verdict(run: Run, gates: Gates, job: str) -> Verdict:
     ``fast_sample``'s sampler in the same run (the gate's ε probes run that stack's forward), and says so."""
     found = gates.verdict(run.row(job))
     workload, stack = job.split(".", 1)
-    if found == NOT_GATED and workload == "forward":
+    if found.word == NOT_GATED.word and workload == "forward":
         sample = gates.verdict(run.row(f"fast_sampler.{stack}"))
-        if sample != NOT_GATED:
+        if sample.word != NOT_GATED.word:
             return replace(sample, detail=", ".join(d for d in (f"as `fast_sampler.{stack}`", sample.detail) if d))
     return found
 
