@@ -35,7 +35,8 @@ def save_weights(path: Path, cfg, scale: float = 1.0) -> str:
     last = [m for m in net.modules() if isinstance(m, torch.nn.Conv3d)][-1]
     with torch.no_grad():
         last.weight.mul_(scale)
-    config = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "diffusion")}
+    config = {**{k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "diffusion")},
+              "data": {"name": "synthetic", "variant": "whole_head"}}
     save_checkpoint(path, model_state=net.state_dict(), ema_state=net.state_dict(), config=config, step=1)
     return str(path)
 
@@ -184,3 +185,25 @@ def test_a_reference_cut_between_batches_is_finished_from_its_stored_batches(tmp
     report = gate(cfg)
     assert recorded == [4, 4, 4, 4, 4], "two batches before the cut, then only the two left and the one cut"
     assert report["verdict"] == "pass" and report["metrics"]["x0_nrmse"] == 0.0
+
+
+def test_med_ddpm_tune_and_the_128_preset_share_one_ddpm_reference(tmp_path, references):
+    """preset=quality_128 gates on seed 1, med_ddpm.tune's held-out gate seed: the same masks, noise, N and weights
+    give the same key, so the reference the tuning stored is the gates' (a 128³ DDPM-250 reference is 27 minutes)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from med_ddpm import tune
+
+    cfg = compose("recipe=[]", "sampler=ddpm", "seed=1", "quality.n_samples=10", "quality.n_masks=2",
+                  f"quality.cache_dir={tmp_path / 'cache'}", "diffusion.timesteps=10", "sampler.steps=10")
+    weights = save_weights(tmp_path / "last.pt", cfg)
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        tuned = hydra_compose("tune", overrides=[
+            f"checkpoint={weights}", f"output_dir={tmp_path / 'tuned'}", f"paths.reference_cache={tmp_path / 'cache'}",
+            "~experiment", "++sampler.variant=sde", "device=cpu", "progress=false", "budgets=[2]", "search.n=2",
+            "gate.batch=5", "quality.n_samples=10", "quality.n_masks=2", "quality.n_perm=100"])
+    tune.main(tuned)
+    assert references == [("DDPMSampler", 1, 10)], "the tuning computed the reference once"
+    gate(cfg, weights)
+    assert len(references) == 1, "the gate read the tuning's reference"
