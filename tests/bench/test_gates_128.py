@@ -87,3 +87,28 @@ def test_a_cut_run_is_finished_by_the_same_command_and_a_failed_gate_runs_again(
     assert [(r["job_name"], r["status"]) for r in rows] == [("a", "ok"), ("b", "oom")]
     assert rows[0]["quality"]["verdict"] == "pass" and rows[0]["scenario"] == "full_sample"
     assert gates.run(cfg) == 0 and len(calls) == 3, "only the failed gate ran again"
+
+
+def test_the_docs_gpu_plan_takes_its_minutes_from_the_committed_h100_rows():
+    """docs/quality.md, "The gate at 128³": each figure is N (or the steps) times a committed row's time."""
+    from hydra import compose, initialize_config_dir
+
+    from med_ddpm.model import build_model
+
+    section = (ROOT / "docs" / "quality.md").read_text().split("## The gate at 128³")[1].split("\n## ")[0]
+    run = choose_run(ROOT / "bench" / "results" / "h100", [])
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=quality_model_128", "output_dir=x"])
+    per_volume = {job: run.ms_per_volume(job) / 60_000 for job in
+                  ("ddpm250.strict_fp32", "fast_sampler.strict_fp32", "fast_sampler.shipped",
+                   "fast_sampler.torch_defaults", "ddpm250.shipped")}
+    train = f"{cfg.train.max_steps * run.ms('train_step.shipped') / 60_000:.1f} + compile"
+    card = f"{16 * per_volume['ddpm250.strict_fp32']:.1f}"
+    tune = f"{32 * per_volume['ddpm250.strict_fp32']:.1f} + ≈ 4"
+    gates = " + ".join(f"{32 * per_volume[j]:.1f}" for j in ("fast_sampler.strict_fp32", "fast_sampler.shipped",
+                                                             "fast_sampler.shipped", "fast_sampler.torch_defaults",
+                                                             "fast_sampler.shipped", "ddpm250.shipped"))
+    for figure in (train, card, tune, gates):
+        assert f"| {figure} |" in section, figure
+    params = sum(p.numel() for p in build_model(OmegaConf.to_container(cfg.model)).parameters())
+    assert f"{params / 1e6:.1f} M parameters" in section
