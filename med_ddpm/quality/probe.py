@@ -178,8 +178,9 @@ def batched_trajectory(model_fn: ModelFn, sampler: Sampler, cond: torch.Tensor, 
     """:func:`run_trajectory` over ``batch`` of the N samples at a time, joined into one run: sample i draws its noise
     from seed (``seed``, i) (:func:`batch_noise`), so the run does not depend on ``batch``, and a 128³ gate runs N
     volumes in batches a GPU holds. ``channels``: the image channels sampled; ``on_batch(done)`` is called after each
-    batch. ``cache``: (folder, key): each batch is stored under the key and its samples' range (:func:`cached`), so a
-    reference longer than one device call, cut, is finished by the same command from its last stored batch."""
+    batch. ``cache``: (folder, key): each batch is stored in ``folder/batches`` under the key and its samples' range
+    (:func:`cached`), so a reference longer than one device call, cut, is finished by the same command from its last
+    stored batch."""
     n, steps = len(cond), max(sampler.schedule.num_train_timesteps, len(sampler.timesteps))
     shape = (n, channels, *cond.shape[2:])
     runs = []
@@ -193,7 +194,7 @@ def batched_trajectory(model_fn: ModelFn, sampler: Sampler, cond: torch.Tensor, 
                                   forward_context=forward_context)
 
         folder, key = cache or (None, {})
-        runs.append(cached(folder, {**key, "samples": [part.start, part.stop]}, one))
+        runs.append(cached(folder and Path(folder) / "batches", {**key, "samples": [part.start, part.stop]}, one))
         if on_batch is not None:
             on_batch(part.stop)
     joined = {key: {s: torch.cat([getattr(r, key)[s] for r in runs]) for s in runs[0].eps_probe}
