@@ -13,14 +13,16 @@ Example (Hydra overrides of ``configs/ladder.yaml``):
     python -m bench.ladder preset=core out=results/h200 "only='batch_size=(2|4)'"  # quote a regex with = ( | [
     python -m bench.ladder preset=quality out=results/h200/quality checkpoint=runs/quality_model/checkpoints/last.pt
     python -m bench.ladder preset=quality_training out=results/h200/quality/training budget_s=450
+    python -m bench.ladder preset=quality_128 out=results/h100/quality/gates_128 checkpoint=CKPT budget_s=480
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA e2e.checkpoint=CKPT
 
 The presets are config files, ``configs/ladder/preset/<name>.yaml`` (:mod:`bench.core.presets`): each an ordered list
 of jobs, a name and Hydra overrides of ``configs/bench.yaml`` each, composed with Hydra's compose API and measured by
 the same subprocess worker as ``bench.sweep``. A job that times an experiment's stack names the experiment
 (``experiment=fast_train``), so the stack has one source: its config. :data:`COMMAND_PRESETS` run otherwise:
-``e2e`` (the real commands in fresh processes, :mod:`bench.core.e2e`), ``quality_training`` (:mod:`bench.quality.training`)
-and ``evidence`` (every kind of job, one run, :mod:`bench.evidence`).
+``e2e`` (the real commands in fresh processes, :mod:`bench.core.e2e`), ``quality_training`` (:mod:`bench.quality.training`),
+``quality_128`` (gates without timings, :mod:`bench.quality.gates`) and ``evidence`` (every kind of job, one run,
+:mod:`bench.evidence`).
 
 Resumable: a job whose row is already in ``<out>/results.jsonl`` is skipped, so a ladder longer
 than one 10-minute device command is finished by running the same command again. The time
@@ -44,6 +46,7 @@ from bench.core import presets
 from bench.core.e2e import run as run_commands
 from bench.core.runner import Job, picked, run_ladder
 from bench.core.subprocesses import stopped_together
+from bench.quality.gates import run as gate_jobs
 from bench.quality.training import run as train_and_gate
 from bench.quality.training import visible_gpus
 from bench.quality.training_report import write_training_report
@@ -89,6 +92,12 @@ def run_quality_training(cfg: DictConfig) -> int:
     return left
 
 
+def run_gates(cfg: DictConfig) -> int:
+    if not cfg.dry_run:
+        require_gpu(cfg.preset)
+    return gate_jobs(cfg)
+
+
 def run_evidence(cfg: DictConfig) -> int:
     if not cfg.dry_run:
         require_gpu(cfg.preset)
@@ -100,7 +109,7 @@ def run_evidence(cfg: DictConfig) -> int:
 CPU_PRESETS = ("smoke",)
 # Presets that run otherwise than the step worker's list of jobs.
 COMMAND_PRESETS: dict[str, Callable[[DictConfig], int]] = {
-    "e2e": run_e2e, "quality_training": run_quality_training, "evidence": run_evidence}
+    "e2e": run_e2e, "quality_training": run_quality_training, "evidence": run_evidence, "quality_128": run_gates}
 
 
 def ladder_jobs(cfg: DictConfig) -> list[Job]:

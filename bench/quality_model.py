@@ -8,7 +8,7 @@ the purpose is a measurement, not a claim, so this command writes one from a tra
   curve differ only by the weights (``last.pt`` alone when the run kept no intermediate checkpoints), and the
   logged training loss (``loss.jsonl``) as means over ten step ranges;
 * fidelity: N = ``n`` DDPM-250 samples of the final EMA weights (strict FP32, ``n_masks`` held-out phantom masks
-  x n / n_masks noise draws) against the n held-out phantom images: FID / KID / MMD / histogram W1 with
+  x n / n_masks noise draws, ``batch`` at a time: 128³ in FP32 needs about 4 GiB a volume) against the n held-out phantom images: FID / KID / MMD / histogram W1 with
   permutation p-values and the MS-SSIM diversity of both sets (:mod:`med_ddpm.evaluate`; random-weight
   features: relative numbers);
 * ``samples.png``: phantom images (top) and samples for their masks (bottom), and ``sample_mask.png``: the
@@ -37,8 +37,8 @@ from med_ddpm.data.encoding import VARIANT_BY_IMAGE_CHANNELS
 from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.quality.evaluate import distribution_metrics, diversity, save_montage
 from med_ddpm.quality.features import RandomConv3dFeatures
-from med_ddpm.quality.probe import fixed_noise
-from med_ddpm.samplers import DDPMSampler, sample
+from med_ddpm.quality.probe import batched_trajectory
+from med_ddpm.samplers import DDPMSampler
 from med_ddpm.train import read_loss_log
 from med_ddpm.utils import atomic_write_text, json_safe, resolve_device
 from optim import RecipeStack
@@ -69,9 +69,9 @@ def training_loss(run: Path, windows: int = 10) -> list[dict[str, Any]]:
              "mean_loss": sum(losses[i:i + size]) / len(losses[i:i + size])} for i in range(0, len(steps), size)]
 
 
-def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, device: torch.device,
+def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, batch: int, device: torch.device,
              out: Path) -> dict[str, Any]:
-    """DDPM samples of the EMA weights for held-out masks vs the held-out phantom images; PNGs."""
+    """DDPM samples of the EMA weights for held-out masks vs the held-out phantom images, ``batch`` at a time; PNGs."""
     loaded = load_checkpoint(checkpoint, weights="ema")
     model, schedule = loaded.model.to(device).eval(), loaded.schedule.to(device)
     variant = VARIANT_BY_IMAGE_CHANNELS[model.out_channels]
@@ -79,9 +79,9 @@ def fidelity(checkpoint: Path, size: tuple[int, ...], n: int, n_masks: int, devi
     cond = conds[:n_masks].repeat_interleave(n // n_masks, dim=0).to(device)
     sampler = DDPMSampler(schedule)
     sampler.set_timesteps(schedule.num_train_timesteps)
-    noise = fixed_noise((n, model.out_channels, *size), schedule.num_train_timesteps, seed=0, device=device)
     with RecipeStack([]).session():  # strict FP32: cuDNN's default TF32 convolutions off
-        samples = sample(model, sampler, cond, x_T=noise.x_T, step_noise=noise.step_noise, progress=True).float().cpu()
+        samples = batched_trajectory(model, sampler, cond, model.out_channels, 0, batch,
+                                     on_batch=lambda done: print(f"{done} of {n} samples", flush=True)).samples
     per_mask = n // n_masks
     shown = min(4, n_masks)
     save_montage(images[:shown], samples[::per_mask][:shown], ([f"phantom {k}" for k in range(shown)],
@@ -123,6 +123,7 @@ def main(cfg: DictConfig) -> None:
     n, n_masks = check_int(cfg, "n", 2), check_int(cfg, "n_masks", 1)
     if n % n_masks:
         raise ConfigError(f"n={n}: not a multiple of n_masks={n_masks}; pass n=k*n_masks")
+    batch = n if cfg.batch is None else check_int(cfg, "batch", 1)
     device = resolve_device(cfg.device)
     ckpt = read_checkpoint(last)
     size = tuple(ckpt["config"]["model"]["image_size"])
@@ -130,7 +131,7 @@ def main(cfg: DictConfig) -> None:
     summary = {**provenance(), "checkpoint": str(last), "step": int(ckpt["step"]),
                "train": {k: ckpt["config"].get(k) for k in ("seed", "train", "data", "model")},
                "loss_curve": loss_curve(run, images, conds, device), "train_loss": training_loss(run),
-               "fidelity": fidelity(last, size, n, n_masks, device, out)}
+               "fidelity": fidelity(last, size, n, n_masks, batch, device, out)}
     atomic_write_text(out / "summary.json", json.dumps(json_safe(summary), indent=2) + "\n")
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     print(summary_markdown(summary), end="")

@@ -40,9 +40,13 @@ def test_composes(primary, experiment):
 
 
 def experiment_recipes(experiment: str) -> list[str]:
-    """The recipes ``configs/experiment/<experiment>.yaml`` puts in its defaults list (``override /recipe``)."""
+    """The recipes ``configs/experiment/<experiment>.yaml`` puts in its defaults list (``override /recipe``), or those
+    of the experiment it extends (a plain entry, e.g. ``- fast_train``)."""
     defaults = OmegaConf.load(CONFIGS / "experiment" / f"{experiment}.yaml").get("defaults") or []
-    return next((list(d["override /recipe"]) for d in defaults if "override /recipe" in d), [])
+    own = next((list(d["override /recipe"]) for d in defaults if not isinstance(d, str) and "override /recipe" in d),
+               None)
+    base = next((d for d in defaults if isinstance(d, str) and d != "_self_"), None)
+    return own if own is not None else experiment_recipes(base) if base else []
 
 
 def test_experiment_writes_out_the_original_constants():

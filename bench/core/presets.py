@@ -10,7 +10,8 @@ list stays data and the source stays one:
 * ``${swap_stack:fast_sample,amp_fp16,amp_bf16}``: an experiment's stack, options kept, one recipe swapped;
 * ``${train_settings:fast_train}``: an experiment's training batch and accumulation;
 * ``${gate_cache:${ladder.checkpoint}}``: the quality gate's reference cache beside the weights;
-* ``${searched_grids:${gated}}``: one job per searched sampler grid, ``configs/sampler/ays_*.yaml``.
+* ``${searched_grids:${gated}}``: one job per searched sampler grid, ``configs/sampler/ays_*.yaml``;
+* ``${tuned_grid:${gate},${ladder.tuned}}``: the job gating ``med_ddpm.tune``'s ``sampler.yaml``, once it exists.
 
 An entry that is a list (from a resolver or a shared key) is spliced in place, in ``jobs`` and in ``overrides``; a
 job whose overrides equal an earlier job's runs once. ``requires: {option: why}`` names the ladder options the
@@ -74,8 +75,20 @@ def searched_grids(gated: ListConfig) -> list[dict[str, Any]]:
             for path in sorted((CONFIG_DIR / "sampler").glob("ays_*.yaml"))]
 
 
+def tuned_grid(gated: ListConfig, path: str | None) -> list[dict[str, Any]]:
+    """The job gating ``med_ddpm.tune``'s grid (its ``sampler.yaml``) with ``gated``'s overrides; none while the
+    file is not there (the tuning has not run)."""
+    if path is None or not Path(path).is_file():
+        return []
+    node = OmegaConf.load(path).sampler
+    grid = ",".join(str(int(t)) for t in node.timesteps)
+    return [{"name": "sampler.tuned", "overrides": [*gated, "experiment=fast_sample", f"sampler={node.name}",
+                                                    *(f"sampler.{k}={node[k]}" for k in node if k != "name"
+                                                      and k != "timesteps"), f"sampler.timesteps=[{grid}]"]}]
+
+
 RESOLVERS = {"stack": stack, "swap_stack": swap_stack, "train_settings": train_settings, "gate_cache": gate_cache,
-             "searched_grids": searched_grids}
+             "searched_grids": searched_grids, "tuned_grid": tuned_grid}
 for _name, _resolver in RESOLVERS.items():
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _resolver)

@@ -92,14 +92,21 @@ def candidate_checkpoint(row: dict[str, Any]) -> str | None:
     return ((row.get("config") or {}).get("quality") or {}).get("candidate_checkpoint")
 
 
+def reference_sampler(row: dict[str, Any]) -> str | None:
+    """The gate's reference sampler (``quality.reference_sampler``): ``same`` judges a stack on the candidate's own
+    sampler; None: against strict-FP32 DDPM over every step."""
+    return ((row.get("config") or {}).get("quality") or {}).get("reference_sampler")
+
+
 def job_key(row: dict[str, Any]) -> str:
-    """Workload plus recipe stack, its non-default options and the candidate's weights when the gate compared two
-    checkpoints: one job of a sweep (resumable runs skip known keys). Rows without options or candidate weights
-    keep the key they had before those were recorded."""
+    """Workload plus recipe stack, its non-default options, the candidate's weights when the gate compared two
+    checkpoints and the gate's reference sampler when it is not DDPM: one job of a sweep (resumable runs skip known
+    keys). Rows without these keep the key they had before they were recorded."""
     options = list(row.get("recipe_options") or [])
-    candidate = candidate_checkpoint(row)
+    candidate, reference = candidate_checkpoint(row), reference_sampler(row)
     return json.dumps([baseline_key(row), list(row.get("recipes") or []), *([options] if options else []),
-                       *([{"candidate_checkpoint": candidate}] if candidate else [])])
+                       *([{"candidate_checkpoint": candidate}] if candidate else []),
+                       *([{"reference_sampler": reference}] if reference else [])])
 
 
 def recipe_label(row: dict[str, Any], baseline: str = "[] (fp32)") -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from bench.core.records import RESULTS_FILE
+from bench.reporting.plan128 import plan_lines
 from bench.reporting.evidence import (
     BASELINES,
     BRATS,
@@ -72,9 +73,9 @@ def verdict(run: Run, gates: Gates, job: str) -> Verdict:
     ``fast_sample``'s sampler in the same run (the gate's ε probes run that stack's forward), and says so."""
     found = gates.verdict(run.row(job))
     workload, stack = job.split(".", 1)
-    if found == NOT_GATED and workload == "forward":
+    if found.word == NOT_GATED.word and workload == "forward":
         sample = gates.verdict(run.row(f"fast_sampler.{stack}"))
-        if sample != NOT_GATED:
+        if sample.word != NOT_GATED.word:
             return replace(sample, detail=", ".join(d for d in (f"as `fast_sampler.{stack}`", sample.detail) if d))
     return found
 
@@ -283,6 +284,7 @@ def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
               "## Hardware counters against the study's claims", "",
               "Nsight Compute on the 128³ sampler step, library kernels; factors against `counters.strict_fp32`.", "",
               *counters_table(run),
+              *plan_lines(run),
               "## The run's time", "", *time_table(run)]
     if named:
         lines += [f"The run also holds rows of jobs outside these tables: {', '.join(sorted(named))}.", ""]

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.core.records import RESULTS_FILE, candidate_checkpoint, read_rows
+from bench.quality.training_power import power_text, val_loss_power
 from bench.quality.training_report import VERDICT_FILE
 
 QUALITY_DIR = "quality"
+GATE_DOC = '"The gate at 128³"'  # docs/quality.md's section on the 128³ gate: its plan and why a cell is not gated
 TRAINING_FILE = "training.json"  # beside training_verdict.json: each arm's command, so its recipes
 REFERENCE_SAMPLER = ("ddpm", 250)  # the gate's reference sampler: Med-DDPM's own
 # Options that change when a compiled forward is built (ahead of time, kept in a file), not what it computes: a
@@ -62,6 +64,7 @@ class Verdict:
         return f"{self.word} ({', '.join(notes)})" if notes else self.word
 
 
+VERDICTS = ("pass", "warn", "fail")  # the gate's words, worst last
 REFERENCE = Verdict("reference")  # strict FP32: what the gate compares against
 NOT_GATED = Verdict("not gated")
 
@@ -115,10 +118,58 @@ def val_loss_band(verdict: dict[str, Any]) -> str:
     return f"val. loss {check['value']:.3g}, band {band['mean']:.3g} ± {band['sd']:.2g}"
 
 
-def gate_verdict(row: dict[str, Any], where: Path) -> Verdict:
-    """A gated row's verdict, with its notes (:func:`gate_notes`), its run and the file it is in."""
-    notes = [*gate_notes(row), f"gate run {row.get('run_id')}"]
-    return Verdict(str(row["quality"]["verdict"]), ", ".join(notes), where)
+def trained_detail(verdict: dict[str, Any], folder: Path) -> str:
+    """A training verdict's reason and, on a pass, the difference it fails and what more seeds would buy
+    (:mod:`bench.quality.training_power`): what the page shows beside the word."""
+    power = val_loss_power(verdict, folder) if verdict.get("verdict") == "pass" else None
+    return ", ".join(part for part in (f"trained: {verdict.get('why', '')}".rstrip(": "),
+                                       f"val. loss {power_text(power)}" if power else "") if part)
+
+
+def worst_p(gate: dict[str, Any]) -> float | None:
+    """The smallest p-value of a gate's distribution checks (of its bias checks for a probe-only gate): the check
+    nearest to deciding."""
+    checks = (gate.get("checks") or {}).values()
+    for kinds in (("distribution",), ("bias",)):
+        found = [float(c["p_value"]) for c in checks if c.get("kind") in kinds and c.get("p_value") is not None]
+        if found:
+            return min(found)
+    return None
+
+
+def power(gate: dict[str, Any]) -> str:
+    """``p 0.17, bias 0.015``: a gate's worst p-value and the smallest ε scale error it fails."""
+    p, bias = worst_p(gate), gate.get("min_detectable_eps_bias")
+    return ", ".join(part for part in (f"p {p:.2g}" if p is not None else "",
+                                       f"bias {float(bias):.2g}" if bias is not None else "") if part)
+
+
+def against(gate: dict[str, Any]) -> str:
+    """What a gate compared with: the candidate's own sampler in strict FP32, or strict-FP32 DDPM over every step."""
+    ref, cand = gate.get("reference_sampler") or {}, gate.get("candidate_sampler") or {}
+    return "vs strict FP32, same sampler" if ref and ref == cand else "vs strict-FP32 DDPM-250"
+
+
+def gate_verdict(found: list[tuple[dict[str, Any], Path]]) -> Verdict:
+    """The verdict of a timed row's gates (the last run's of each reference: the stack's and the sampler's): the worst
+    word, the worst p-value and the detectable bias of the worst gate, each gate's notes (:func:`gate_notes`), its run
+    and the file of the worst."""
+    latest = {against(r["quality"]): (r, p) for r, p in found}
+    worst, where = max(latest.values(), key=lambda rp: VERDICTS.index(rp[0]["quality"]["verdict"]))
+    each = [f"{name}: {r['quality']['verdict']} ({power(r['quality'])})" for name, (r, _) in latest.items()] \
+        if len(latest) > 1 else []
+    notes = [*each, *gate_notes(worst), f"gate run {worst.get('run_id')}"]
+    return Verdict(str(worst["quality"]["verdict"]), ", ".join([power(worst["quality"]), *notes]), where)
+
+
+def size_label(size: Sequence[int] | None) -> str:
+    """``128³`` for a cube, ``192x192x144`` otherwise."""
+    size = list(size or [])
+    return f"{size[0]}³" if size and len(set(size)) == 1 else "x".join(map(str, size))
+
+
+def row_size(row: dict[str, Any]) -> list[int] | None:
+    return row.get("image_size") or (((row.get("config") or {}).get("model") or {}).get("image_size"))
 
 
 class Gates:
@@ -139,8 +190,7 @@ class Gates:
         for path in sorted(quality.rglob(VERDICT_FILE)):
             verdict, arms = json.loads(path.read_text()), path.parent / TRAINING_FILE
             arms = json.loads(arms.read_text())["arms"] if arms.exists() else {}
-            found = Verdict(str(verdict["verdict"]), f"trained: {verdict.get('why', '')}".rstrip(": "), path,
-                            val_loss_band(verdict))
+            found = Verdict(str(verdict["verdict"]), trained_detail(verdict, path.parent), path, val_loss_band(verdict))
             trained += [(arm_stack(arm.get("argv") or []), found) for arm in arms.values()]
         return cls(rows, [(stack, v) for stack, v in trained if stack[0]])
 
@@ -152,7 +202,20 @@ class Gates:
             return REFERENCE
         stack = row_stack(row)
         if row.get("scenario") == "train_step":
-            return next((v for s, v in reversed(self.trained) if s == stack), NOT_GATED)
+            return next((v for s, v in reversed(self.trained) if s == stack), Verdict(
+                NOT_GATED.word, "no training verdict of this stack in quality/; bench.ladder preset=quality_training "
+                                "judges one stack a run"))
         same = [(r, p) for r, p in self.rows if row_stack(r) == stack and r.get("scenario") == row.get("scenario")
                 and (r.get("sampler"), r.get("steps")) == (row.get("sampler"), row.get("steps"))]
-        return gate_verdict(*same[-1]) if same else NOT_GATED
+        sized = [(r, p) for r, p in same if row_size(r) == row_size(row)]
+        return gate_verdict(sized) if sized else self.not_gated(row, same)
+
+    def not_gated(self, row: dict[str, Any], other_sizes: list[tuple[dict[str, Any], Path]]) -> Verdict:
+        """``not gated`` and why: no gate of this stack and sampler at the row's size (a precision effect depends on
+        the network and its weights, so another size's verdict does not stand for it; it is named)."""
+        size = size_label(row_size(row))
+        why = f"no {size} gate of this stack and sampler in quality/; see docs/quality.md, {GATE_DOC}"
+        if other_sizes:
+            other, _ = other_sizes[-1]
+            why += f"; the {size_label(row_size(other))} quality model's: {other['quality']['verdict']}"
+        return Verdict(NOT_GATED.word, why)

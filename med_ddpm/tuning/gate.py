@@ -4,11 +4,10 @@ candidate and reference runs on the same per-sample noise, and the verdict of
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,7 @@ from med_ddpm.data.datasets import build_dataset, load_condition, read_volume
 from med_ddpm.data.masks import list_masks
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.quality.gate import QualityGate, TrajectoryRun
-from med_ddpm.quality.probe import (
-    FixedNoise,
-    StepNoise,
-    cached,
-    fixed_noise,
-    reference_code_digest,
-    run_trajectory,
-)
+from med_ddpm.quality.probe import batched_trajectory, cached, cond_hash, reference_key
 from med_ddpm.samplers import DDPMSampler, make_timesteps, sampler_from_config
 from med_ddpm.samplers.search import describe_data, kl_bound, optimal_grid
 from med_ddpm.tuning.state import Tuning, grid_node
@@ -39,10 +31,6 @@ DISTRIBUTION = ("kid_vs_ref", "mmd_vs_ref", "histogram_w1_vs_ref", "diversity_ga
 
 
 # ----------------------------------------------------------------------------------------------------- masks
-def cond_hash(cond: torch.Tensor) -> str:
-    return hashlib.sha256(cond.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-
-
 def search_view(cfg: DictConfig) -> DictConfig:
     """The options :func:`med_ddpm.samplers.search.stack_distances` reads, from the ``search`` node; the data uncached,
     so that only the ``search.n`` volumes the search uses are read."""
@@ -101,56 +89,26 @@ def gate_masks(t: Tuning) -> tuple[torch.Tensor, list[str], list[str]]:
 
 
 # ----------------------------------------------------------------------------------------------------- runs
-class SampleNoise(Sequence):
-    """The step noise of a batch of samples, each sample's own :class:`StepNoise`: a sample's noise does not
-    depend on the batch it runs in. ``seed`` names the family (run_trajectory records it)."""
-
-    def __init__(self, fields: Sequence[StepNoise], seed: int):
-        self.fields, self.seed = list(fields), seed
-
-    def __len__(self) -> int:
-        return len(self.fields[0])
-
-    def __getitem__(self, k: int) -> torch.Tensor:
-        return torch.cat([field[k] for field in self.fields])
-
-
-def sample_seed(seed: int, i: int) -> int:
-    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-
-
-def batch_noise(shape: Sequence[int], steps: int, seed: int, samples: range, device: torch.device) -> FixedNoise:
-    """x_T and ``steps`` noise fields for ``samples`` of a run, each drawn from seed (``seed``, i)."""
-    one = (1, *shape[1:])
-    per = [fixed_noise(one, steps, sample_seed(seed, i), device) for i in samples]
-    return FixedNoise(torch.cat([p.x_T for p in per]), SampleNoise([p.step_noise for p in per], seed))
-
-
 def batched_run(model_fn, sampler, cond: torch.Tensor, t: Tuning, *, reference: TrajectoryRun | None = None,
                 forward_context=None) -> TrajectoryRun:
-    """:func:`med_ddpm.quality.probe.run_trajectory` over ``gate.batch`` samples at a time, joined into one run; each
-    batch logged as it finishes."""
-    shape, batch = (len(cond), t.loaded.model.out_channels, *cond.shape[2:]), t.cfg.gate.batch
-    steps, begin = max(t.T, len(sampler.timesteps)), time.perf_counter()
-    runs = []
-    for start in range(0, len(cond), batch):
-        part = range(start, min(start + batch, len(cond)))
-        probes = None if reference is None else {s: x[part.start:part.stop] for s, x in reference.probe_inputs.items()}
-        noise = batch_noise(shape, steps, t.cfg.gate.seed, part, t.device)
-        runs.append(run_trajectory(model_fn, sampler, cond[part.start:part.stop].to(t.device), noise,
-                                   probe_inputs=probes, forward_context=forward_context))
-        log.info("  %d model calls: %d of %d volumes sampled (%.0f s)", len(sampler.timesteps), part.stop, len(cond),
+    """:func:`med_ddpm.quality.probe.batched_trajectory` over ``gate.batch`` samples at a time on noise ``gate.seed``,
+    each batch logged as it finishes."""
+    begin = time.perf_counter()
+
+    def logged(done: int) -> None:
+        log.info("  %d model calls: %d of %d volumes sampled (%.0f s)", len(sampler.timesteps), done, len(cond),
                  time.perf_counter() - begin)
-    joined = {key: {s: torch.cat([getattr(r, key)[s] for r in runs]) for s in runs[0].eps_probe}
-              for key in ("eps_probe", "probe_inputs")}
-    return TrajectoryRun(torch.cat([r.samples for r in runs]), torch.cat([r.cond for r in runs]), joined["eps_probe"],
-                         joined["probe_inputs"], runs[0].sampler, runs[0].noise_seed)
+
+    return batched_trajectory(model_fn, sampler, cond.to(t.device), t.loaded.model.out_channels, t.cfg.gate.seed,
+                              t.cfg.gate.batch, probe_inputs=None if reference is None else reference.probe_inputs,
+                              forward_context=forward_context, on_batch=logged)
 
 
-def reference_key(t: Tuning, cond: torch.Tensor) -> dict[str, Any]:
-    """What the reference run depends on: the weights, the N masks (one hash a volume), the noise and the code."""
-    return {"checkpoint_sha256": t.sha256, "weights": t.cfg.weights, "masks": [cond_hash(c) for c in cond],
-            "seed": t.cfg.gate.seed, "device": t.device.type, "code": reference_code_digest()}
+def ddpm_reference_key(t: Tuning, cond: torch.Tensor) -> dict[str, Any]:
+    """The reference's key (:func:`med_ddpm.quality.probe.reference_key`): the gate's strict-FP32 DDPM over all T
+    steps of these weights, masks and noise, so ``bench.ladder preset=quality_128`` and this run share one file."""
+    return reference_key({"sha256": t.sha256, "weights": t.cfg.weights}, cond, t.cfg.gate.seed,
+                         {"name": "ddpm", "steps": t.T}, t.device)
 
 
 def reference_run(t: Tuning, cond: torch.Tensor, key: dict[str, Any]) -> TrajectoryRun:

@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 from med_ddpm.quality.gate import TrajectoryRun
 from med_ddpm.quality.probe import reference_file
 from med_ddpm.samplers.search import describe_data, interval_costs, log_snr_weights, stack_distances
-from med_ddpm.tuning.gate import gate_budget, gate_masks, reference_key, reference_run, search_view
+from med_ddpm.tuning.gate import ddpm_reference_key, gate_budget, gate_masks, reference_run, search_view
 from med_ddpm.tuning.report import write_results
 from med_ddpm.tuning.state import DISTANCES, Tuning, prepare
 from med_ddpm.utils import atomic_write, json_safe
@@ -129,7 +129,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(t.device)
     cond, names, left_out = gate_masks(t)
-    key = reference_key(t, cond)
+    key = ddpm_reference_key(t, cond)
     referenced = reference_file(Path(cfg.paths.reference_cache).expanduser(), key).exists()
     log.info(plan(t, "search" in t.state and (out_dir / DISTANCES).exists(), referenced, seconds_per_volume(t, cond)))
     costs = search_costs(t, stack)

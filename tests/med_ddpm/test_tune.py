@@ -21,10 +21,10 @@ from med_ddpm.data.datasets import build_dataset, load_condition
 from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
-from med_ddpm.quality.probe import fixed_noise
+from med_ddpm.quality import probe
+from med_ddpm.quality.probe import cond_hash, fixed_noise, sample_seed
 from med_ddpm.samplers.tuned import SEAL, file_sha256, read_tuned
 from med_ddpm.tuning import gate, run
-from med_ddpm.tuning.gate import cond_hash
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
 SIZE = [8, 8, 8]
@@ -205,13 +205,13 @@ def test_the_gate_is_held_out_from_the_search(checkpoint, cache, tmp_path, capsy
     """Searched on the user's scans, gated on their masks: the masks of the searched volumes are left out; the
     reference and every candidate draw sample i's noise from seed (gate.seed, i), and the gate's noise seed may not be
     the search's."""
-    x_T, run_trajectory = [], gate.run_trajectory
+    x_T, run_trajectory = [], probe.run_trajectory
 
     def noted(model_fn, sampler, cond, noise, **kw):
         x_T.append(noise.x_T)
         return run_trajectory(model_fn, sampler, cond, noise, **kw)
 
-    monkeypatch.setattr(gate, "run_trajectory", noted)
+    monkeypatch.setattr(probe, "run_trajectory", noted)
     write_phantom_niftis(tmp_path / "data", 3, SIZE, seed=3)
     masks = tmp_path / "masks"
     shutil.copytree(tmp_path / "data" / "mask", masks)
@@ -220,7 +220,7 @@ def test_the_gate_is_held_out_from_the_search(checkpoint, cache, tmp_path, capsy
     data = ["data=whole_head", f"data.root={tmp_path / 'data'}"]
     tune.main(compose_tune(checkpoint, tmp_path / "out", tmp_path / "cache", *PASS, *data, f"masks={masks}"))
     drawn = torch.cat(x_T).split(10)  # the reference's N = 10, then the candidate's
-    gate_noise = torch.cat([fixed_noise((1, 1, *SIZE), 10, gate.sample_seed(1, i)).x_T for i in range(10)])
+    gate_noise = torch.cat([fixed_noise((1, 1, *SIZE), 10, sample_seed(1, i)).x_T for i in range(10)])
     assert len(drawn) == 2 and all(torch.equal(run_x_T, gate_noise) for run_x_T in drawn)
     held = read_tuned(tmp_path / "out" / "sampler.yaml")["gate"]["held_out"]
     assert held["masks"] == ["phantom_0002.nii.gz", "zz_other.nii.gz"]
@@ -267,7 +267,7 @@ def test_an_n_the_bias_checks_cannot_fail_at_is_refused_before_anything_is_sampl
     ran = []
     monkeypatch.setattr(run, "stack_distances", lambda *args: ran.append("search"))
     monkeypatch.setattr(run, "seconds_per_volume", lambda *args: ran.append("timing"))
-    monkeypatch.setattr(gate, "run_trajectory", lambda *args, **kw: ran.append("trajectory"))
+    monkeypatch.setattr(probe, "run_trajectory", lambda *args, **kw: ran.append("trajectory"))
     out = tmp_path / "out"
     line = refusal(capsys, tune.main, compose_tune(checkpoint, out, tmp_path / "cache", "quality.n_samples=8"))
     assert line == ("quality.n_samples=8: the bias checks' sign-flip test cannot reach p < 0.002 (alpha.bias 0.01 "
