@@ -55,6 +55,7 @@ from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_under_cap
 from med_ddpm.model import UNet3D, build_model
+from med_ddpm.preemption import Watch, resume_command
 from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator, synchronize
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.tracking import build_tracker
@@ -112,7 +113,10 @@ def fit(job: Job) -> dict[str, Any]:
         bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
         timer = LoopTimer(job.clock, job.device, batches, cfg.batch_size * cfg.grad_accum)
         t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
+        stop = Watch()  # SIGTERM or Ctrl-C: last.pt at the step reached, then exit (med_ddpm/preemption.py)
         while job.step < cfg.max_steps:
+            if stop.requested():
+                stop.exit(lambda: save_state(job), job.step, resume_command(job.cfg.output_dir))
             loss = train_step(job, batches)
             bar.update(1)
             if timer.step_done(last=job.step == cfg.max_steps) and cache is not None and rank0:
@@ -128,6 +132,7 @@ def fit(job: Job) -> dict[str, Any]:
                 job.tracker.log_image("sample", png, step=job.step)
             if (cfg.save_every and job.step % cfg.save_every == 0) or job.step == cfg.max_steps:
                 save_state(job)
+        stop.release()
         bar.close()
         summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
     if rank0:
