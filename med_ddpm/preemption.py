@@ -4,23 +4,24 @@ Killed between checkpoints, a run would lose every step since the last ``save_ev
 two signals only set a flag; the loop checks it at the top of each step (:meth:`Watch.requested`), where the run's
 state is whole, writes ``last.pt`` at the current step through the checkpoint writer (atomically) and exits with a
 line saying how to resume; ``resume=auto`` then continues exactly (:mod:`med_ddpm.train_state`). A second signal
-before that check stops at once (a step that hangs can still be interrupted).
+before that check stops at once (a step that hangs can still be interrupted). A process forked under it (a data
+loader's worker) ends on the signal as it would without it.
 
 Under torchrun every rank gets the signal, perhaps at different steps, so the ranks agree each step on whether any
 was asked (one small gather; a single process checks its flag only).
 
 Example:
-    >>> stop = Watch()
-    >>> while step < max_steps:
-    ...     if stop.requested():
-    ...         stop.exit(save, step, resume_command(out_dir))
-    ...     step += 1
-    >>> stop.release()
+    >>> with Watch() as stop:
+    ...     while step < max_steps:
+    ...         if stop.requested():
+    ...             stop.exit(save, step, resume_command(out_dir))
+    ...         step += 1
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import threading
@@ -39,10 +40,21 @@ class Watch:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.previous: dict[int, Any] = {}
+        self.pid = os.getpid()
         if threading.current_thread() is threading.main_thread():  # handlers belong to the main thread
             self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.pid:  # a process forked meanwhile (a loader worker) inherited this: act as before
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.signum is not None:  # asked twice: stop now
             self.release()
             raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)

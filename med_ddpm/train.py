@@ -96,7 +96,7 @@ def fit(job: Job) -> dict[str, Any]:
     cfg = job.cfg.train
     rank0 = distributed.is_main()
     cap_memory(job.device, cfg.get("memory_cap_gib"))
-    with job.stack.session():
+    with job.stack.session(), Watch() as stop:  # SIGTERM, Ctrl-C: last.pt at the next step's top, exit (preemption.py)
         cache = compile_cache(job)
         if cache is not None:
             cache.load()
@@ -113,7 +113,6 @@ def fit(job: Job) -> dict[str, Any]:
         bar = tqdm(total=cfg.max_steps, initial=job.step, desc="train", disable=not (cfg.progress and rank0))
         timer = LoopTimer(job.clock, job.device, batches, cfg.batch_size * cfg.grad_accum)
         t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
-        stop = Watch()  # SIGTERM or Ctrl-C: last.pt at the step reached, then exit (med_ddpm/preemption.py)
         while job.step < cfg.max_steps:
             if stop.requested():
                 stop.exit(lambda: save_state(job), job.step, resume_command(job.cfg.output_dir))
@@ -132,7 +131,6 @@ def fit(job: Job) -> dict[str, Any]:
                 job.tracker.log_image("sample", png, step=job.step)
             if (cfg.save_every and job.step % cfg.save_every == 0) or job.step == cfg.max_steps:
                 save_state(job)
-        stop.release()
         bar.close()
         summary = metrics(job, loss.item(), t0, start_step) | {"recipes": job.stack.describe()}
     if rank0:

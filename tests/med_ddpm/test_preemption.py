@@ -7,8 +7,7 @@ import os
 import signal
 
 import pytest
-import torch
-from test_train import cfg_for
+from test_train import assert_same_last_checkpoint, cfg_for
 
 import med_ddpm.train as train_mod
 from med_ddpm.checkpoint import read_checkpoint
@@ -41,12 +40,7 @@ def test_a_signal_saves_the_step_reached_and_resume_ends_with_the_uninterrupted_
 
     monkeypatch.setattr(train_mod, "update_ema", real_update)
     fit(build(cfg_for("train", tmp_path / "stopped", *COMMON, "resume=auto")))
-    a = read_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")
-    b = read_checkpoint(tmp_path / "stopped" / "checkpoints" / "last.pt")
-    assert a["step"] == b["step"] == 6
-    for entry in ("model", "ema"):
-        for k in a[entry]:
-            assert torch.equal(a[entry][k], b[entry][k]), (entry, k)
+    assert_same_last_checkpoint(tmp_path / "straight", tmp_path / "stopped", 6)
 
 
 def test_a_second_signal_stops_at_once_and_the_handlers_are_restored():
@@ -61,3 +55,23 @@ def test_a_second_signal_stops_at_once_and_the_handlers_are_restored():
 
 def test_the_resume_line_is_the_bare_command_outside_hydra(tmp_path):
     assert resume_command(tmp_path / "run") == f"python -m med_ddpm.train output_dir={tmp_path / 'run'} resume=auto"
+
+
+def _sleep() -> None:
+    import time
+
+    time.sleep(120)
+
+
+@pytest.mark.e2e
+def test_a_process_forked_under_the_watch_ends_on_sigterm_as_without_it():
+    """A data loader's worker is forked inside the loop: a SIGTERM to it (the loader's shutdown) must end it, or
+    the training process would wait for it forever at exit."""
+    import multiprocessing
+
+    with Watch():
+        child = multiprocessing.get_context("fork").Process(target=_sleep)
+        child.start()
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(timeout=100)
+    assert child.exitcode == -signal.SIGTERM
