@@ -250,7 +250,7 @@ def job_facts(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, cache: Compil
               size: list[int] | None) -> sample_plan.Facts:
     """What :func:`med_ddpm.sample_plan.plan_job` decides on: the cache's state (a file there: warm), whether a
     sidecar compiles it now, this rank's network calls and the costs measured beside the cache (else defaults)."""
-    voxels = math.prod(size or loaded.model.config["image_size"]) * cfg.num_samples
+    voxels = math.prod(size) * cfg.num_samples if size else None  # None: an original checkpoint, each mask's size
     state = "off" if cache is None else "warm" if cache.path.exists() else "cold"
     compiling = cache is not None and compile_sidecar.compiling(compile_sidecar.marker(cache))
     known = sample_plan.known_facts(None if cache is None else cache.plan_path, voxels)

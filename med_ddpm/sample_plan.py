@@ -41,9 +41,10 @@ class Known:
     s: float
     source: str
 
-    def scaled(self, factor: float) -> Known:
-        """Another workload's per-call time, proportional to its voxels: an estimate unless measured for it."""
-        return self if factor == 1 else Known(self.s * factor, "guess")
+    def scaled(self, factor: float | None) -> Known:
+        """Another workload's per-call time, proportional to its voxels (None: not known before the masks are read):
+        an estimate unless measured for it."""
+        return self if factor == 1 else Known(self.s * (factor or 1), "guess")
 
     def __str__(self) -> str:
         return f"{self.s:.4g} s [{self.source}]"
@@ -132,10 +133,10 @@ def switch_pays(facts: Facts, calls_left: int) -> bool:
     return calls_left * (facts.eager_call_s.s - facts.compiled_call_s.s) > facts.load_s.s
 
 
-def known_facts(path: Path | None, voxels: int) -> dict[str, Known]:
+def known_facts(path: Path | None, voxels: int | None) -> dict[str, Known]:
     """The four costs: measured on this machine where ``path`` (:func:`record`) has them, else :data:`DEFAULTS`
-    (per-call ones scaled to ``voxels`` per call)."""
-    factor = voxels / REFERENCE_VOXELS
+    (per-call ones scaled to ``voxels`` per call; None: each mask samples at its own size)."""
+    factor = None if voxels is None else voxels / REFERENCE_VOXELS
     known = {k: v.scaled(factor) if k.endswith("call_s") else v for k, v in DEFAULTS.items()}
     try:
         measured = json.loads(path.read_text()) if path is not None and path.exists() else {}

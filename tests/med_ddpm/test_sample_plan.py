@@ -80,6 +80,7 @@ def test_measured_costs_replace_the_defaults_and_other_sizes_are_guesses(tmp_pat
     assert known["compiled_call_s"] == DEFAULTS["compiled_call_s"]
     half = sample_plan.known_facts(None, VOLUME // 2)["compiled_call_s"]
     assert half == Known(DEFAULTS["compiled_call_s"].s / 2, "guess")
+    assert sample_plan.known_facts(None, None)["compiled_call_s"].source == "guess"  # each mask at its own size
     path.write_text("{torn")
     assert sample_plan.known_facts(path, VOLUME) == sample_plan.known_facts(None, VOLUME)
 
@@ -164,29 +165,43 @@ def test_a_sidecar_killed_while_it_writes_leaves_no_cache_entry_and_no_live_mark
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_the_sidecar_compiles_the_job_s_cache_key(tmp_path):
-    """The real sidecar on a tiny model with the ``compile`` recipe (CPU inductor: slow): it saves the file the job's
-    own cache names, records its compile seconds and removes its marker."""
+def test_a_small_job_on_a_cold_cache_samples_eagerly_while_its_sidecar_fills_the_cache(tmp_path):
+    """The sampling command with ``compile=auto`` and the ``compile`` recipe (CPU inductor: slow) on a tiny model: it
+    samples without compiling, says so in timings.json, and its sidecar saves the file a later job's cache names,
+    records its compile seconds and removes its marker."""
+    import json
+    import subprocess
+
+    from test_train import cfg_for
+
     from med_ddpm.checkpoint import save_checkpoint
     from med_ddpm.cli import CONFIG_DIR
     from med_ddpm.compile_cache import sample_workload
     from med_ddpm.model import build_model
     from optim import RecipeStack
 
-    model_cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny.yaml"), resolve=True)
+    trained = OmegaConf.to_container(cfg_for("train", tmp_path / "run"), resolve=True)  # the 8^3 test model
+    model_cfg = trained["model"]
     net = build_model(model_cfg)
     save_checkpoint(tmp_path / "m.pt", model_state=net.state_dict(), ema_state=net.state_dict(), step=0,
-                    config={"model": model_cfg, "diffusion": {"timesteps": 10, "schedule": "cosine"},
-                            "data": {"variant": "whole_head"}})
-    recipe = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "recipe" / "compile.yaml"), resolve=True)
+                    config={k: trained[k] for k in ("model", "diffusion", "data")})
+    cache_root = tmp_path / "cache"
+    subprocess.run([sys.executable, "-m", "med_ddpm.sample", f"checkpoint={tmp_path / 'm.pt'}", "recipe=[compile]",
+                    "compile=auto", f"paths.compile_cache={cache_root}", "sampler=ddim", "sampler.steps=2",
+                    "device=cpu", "progress=false", f"output_dir={tmp_path / 'out'}"], check=True, timeout=900)
+    plan = json.loads((tmp_path / "out" / "timings.json").read_text())["plan"]
+    assert plan["stack"] == "eager" and plan["sidecar"] and "compiling does not pay" in plan["reason"]
     size = list(model_cfg["image_size"])
-    job_cache = CompileCache.for_run(tmp_path / "cache", "sample", RecipeStack.from_config(recipe),
-                                     torch.device("cpu"), sample_workload(net.config, 1, size))
-    sidecar = compile_sidecar.start(compile_sidecar.spec_of(tmp_path / "m.pt", "ema", recipe, 1, size,
-                                                            torch.device("cpu"), tmp_path / "cache"), job_cache)
-    assert sidecar.proc.wait(timeout=900) == 0, job_cache.path.with_suffix(".sidecar.log").read_text()
-    assert sidecar.ready() and not compile_sidecar.marker(job_cache).exists()
-    assert sample_plan.known_facts(job_cache.plan_path, 1)["compile_s"].source == "measured"
+    recipe = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "recipe" / "compile.yaml"), resolve=True)
+    cache = CompileCache.for_run(cache_root, "sample", RecipeStack.from_config(recipe),
+                                 torch.device("cpu"), sample_workload(net.config, 1, size))
+    deadline = time.monotonic() + 900
+    while compile_sidecar.compiling(compile_sidecar.marker(cache)) and time.monotonic() < deadline:
+        time.sleep(1)
+    log = cache.path.with_suffix(".sidecar.log")
+    assert cache.path.exists() and not compile_sidecar.marker(cache).exists(), log.read_text()
+    known = sample_plan.known_facts(cache.plan_path, 1)
+    assert known["compile_s"].source == known["eager_call_s"].source == "measured"
 
 
 def test_the_sidecar_s_spec_is_what_the_job_s_cache_key_is_built_from():
