@@ -57,9 +57,10 @@ def test_the_resume_line_is_the_bare_command_outside_hydra(tmp_path):
     assert resume_command(tmp_path / "run") == f"python -m med_ddpm.train output_dir={tmp_path / 'run'} resume=auto"
 
 
-def _sleep() -> None:
+def _sleep(started) -> None:
     import time
 
+    started.set()
     time.sleep(120)
 
 
@@ -69,9 +70,12 @@ def test_a_process_forked_under_the_watch_ends_on_sigterm_as_without_it():
     the training process would wait for it forever at exit."""
     import multiprocessing
 
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
     with Watch():
-        child = multiprocessing.get_context("fork").Process(target=_sleep)
+        child = fork.Process(target=_sleep, args=(started,))
         child.start()
+        started.wait(100)  # a signal in the fork's first instants is lost, with or without the watch
         os.kill(child.pid, signal.SIGTERM)
         child.join(timeout=100)
     assert child.exitcode == -signal.SIGTERM
