@@ -41,7 +41,7 @@ import torch
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bench.core import e2e, presets
+from bench.core import bytecode, e2e, presets
 from bench.core.gpu_fit import Fit, Gpu, fit
 from bench.core.presets import PRESET_DIR
 from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, provenance, read_rows
@@ -56,7 +56,7 @@ from med_ddpm.utils import env_info
 from optim import RecipeStack
 
 KINDS = ("overrides", "e2e", "counters")
-KEYS = {"name", "process", "cache", "needs_gib", "estimate_s", *KINDS}
+KEYS = {"name", "process", "cache", "needs_gib", "estimate_s", "slice", "note", *KINDS}
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class Job:
     cache: str | None = None
     needs_gib: float | None = None
     estimate_s: float = 0.0
+    slice: int = 1  # the device call it runs in (``slice=N``): each slice fits one ten-minute call
+    note: str | None = None  # said in each of its rows (``note``): what the row measures beyond its name
 
     @property
     def label(self) -> str:
@@ -93,7 +95,8 @@ def load(preset: str, ladder: DictConfig | dict[str, Any] | None = None) -> tupl
                               + (f"; unknown keys {unknown}" if unknown else ""))
         names = entry["name"] if isinstance(entry["name"], list) else [entry["name"]]
         jobs.append(Job(tuple(names), kinds[0], tuple(str(a) for a in entry[kinds[0]]), entry.get("process"),
-                        entry.get("cache"), entry.get("needs_gib"), float(entry.get("estimate_s", 0))))
+                        entry.get("cache"), entry.get("needs_gib"), float(entry.get("estimate_s", 0)),
+                        int(entry.get("slice", 1)), entry.get("note")))
     all_names = [name for job in jobs for name in job.names]
     if len(set(all_names)) != len(all_names):
         raise ConfigError(f"{path}: two jobs write a row of one name; each job_name is one row of the run")
@@ -166,10 +169,13 @@ def finish_command(argv: Sequence[str]) -> str:
 def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
     """Run (or with ``dry_run`` list) the evidence jobs ``cfg.preset`` names into ``cfg.out``; return the rows left."""
     jobs, preset_budget = load(cfg.preset, cfg)
+    slices = sorted({job.slice for job in jobs})
     if cfg.only:  # a regex over a job's names and arguments
         texts = [[*job.names, *job.args] for job in jobs]
         kept = {id(text) for text in picked(texts, cfg.only, cfg.preset)}
         jobs = [job for job, text in zip(jobs, texts, strict=True) if id(text) in kept]
+    if cfg.get("slice") is not None:  # one device call's share of the preset
+        jobs = [job for job in jobs if job.slice == int(cfg.slice)]
     budget = cfg.budget_s if cfg.budget_s is not None else preset_budget
     budget_s = math.inf if budget is None else float(budget)
     out = Path(cfg.out)
@@ -184,7 +190,7 @@ def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
             if not set(job.names) <= done]
     if cfg.dry_run:
         return list_jobs(todo, gpu, budget_s)
-    runner = Runner(out, cfg, time.monotonic(), budget_s)
+    runner = Runner(out, cfg, time.monotonic(), budget_s, bytecode.prepare(out))
     for job, chosen in todo:
         runner.measure(job, chosen, todo)
     missing = [name for job in jobs for name in job.names if name not in done_names(out, os.environ.get(RUN_ID_ENV))]
@@ -193,6 +199,9 @@ def run(cfg: DictConfig, argv: Sequence[str] | None = None) -> int:
         print(f"finish them (the same command continues the run): {finish_command(argv or sys.argv[1:])}")
     else:
         print(f"evidence: every row of run {os.environ[RUN_ID_ENV]} is in {out / RESULTS_FILE}")
+        later = [n for n in slices if cfg.get("slice") is not None and n > int(cfg.slice)]
+        if later:
+            print(f"evidence: slice {cfg.slice} done; next, in another device call: slice={later[0]}")
     return len(missing)
 
 
@@ -203,7 +212,7 @@ def list_jobs(todo: list[tuple[Job, Fit]], gpu: Gpu | None, budget_s: float) -> 
             print(f"[unsupported] {job.label}: {chosen.reason}")
         else:
             variant = f" (fp16 variant {chosen.variant})" if chosen.variant else ""
-            print(f"[todo] {job.label} ~{job.estimate_s:g} s{variant}: {' '.join(chosen.overrides)}")
+            print(f"[todo] {job.label} ~{job.estimate_s:g} s, slice {job.slice}{variant}: {' '.join(chosen.overrides)}")
     total = sum(job.estimate_s for job, chosen in todo if not chosen.reason)
     where = f"on {gpu.name}" if gpu else "here (no GPU to ask: every job listed as it is)"
     print(f"evidence: {len(todo)} job(s) to run {where}, about {total:g} s on an H100 (the preset's estimates); "
@@ -222,8 +231,9 @@ def cut(job: Job, budget_ended: bool) -> bool:
 class Runner:
     """Measures the jobs of one launch in order, within the budget; groups step jobs by process."""
 
-    def __init__(self, out: Path, cfg: DictConfig, start: float, budget_s: float) -> None:
-        self.out, self.cfg, self.start, self.budget_s = out, cfg, start, budget_s
+    def __init__(self, out: Path, cfg: DictConfig, start: float, budget_s: float,
+                 bytecode: dict[str, Any] | None = None) -> None:
+        self.out, self.cfg, self.start, self.budget_s, self.bytecode = out, cfg, start, budget_s, bytecode
         self.launch = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # this launch of the run (a rerun is another)
         self.ran: set[str] = set()
         self._inputs: dict[str, str] | None = None
@@ -244,6 +254,7 @@ class Runner:
         launch = {"launch": self.launch, "launch_s": round(time.monotonic() - self.start, 1)}
         for row_name in [name] if name else job.names:
             append_row(self.out / RESULTS_FILE, {**row, "job_name": row_name, "variant": chosen.variant or None,
+                                                 "bytecode": self.bytecode, "note": job.note, "slice": job.slice,
                                                  **launch})
         self.ran.update([name] if name else job.names)
 

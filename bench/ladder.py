@@ -46,13 +46,14 @@ from bench.core import presets
 from bench.core.e2e import run as run_commands
 from bench.core.runner import Job, picked, run_ladder
 from bench.core.subprocesses import stopped_together
+from bench.core.wandb_runs import log_unlogged
 from bench.quality.gates import run as gate_jobs
 from bench.quality.training import run as train_and_gate
 from bench.quality.training import visible_gpus
 from bench.quality.training_report import write_training_report
 from med_ddpm import cli
 from med_ddpm.config_checks import ConfigError, check_int, check_number
-from med_ddpm.tracking import check_logger, refuse_wandb
+from med_ddpm.tracking import check_logger
 
 
 def e2e_args(cfg: DictConfig) -> dict[str, str]:
@@ -143,10 +144,12 @@ def run(cfg: DictConfig) -> int:
     check_preset(cfg.preset)
     if cfg.budget_s is not None:
         check_number(cfg, "budget_s", 0.0)
-    if cfg.preset in COMMAND_PRESETS:
-        refuse_wandb(cfg.logger, f"preset={cfg.preset}", f"publish its rows later: bench.report dir={cfg.out} wandb=true")
-        return COMMAND_PRESETS[cfg.preset](cfg)
     wandb = check_logger(cfg.logger)
+    if cfg.preset in COMMAND_PRESETS:
+        left = COMMAND_PRESETS[cfg.preset](cfg)
+        if wandb and not cfg.dry_run:  # its jobs are commands of their own: their rows are logged once they are in
+            log_unlogged(Path(cfg.out), str(cfg.logger.mode))
+        return left
     budget_s = math.inf if cfg.budget_s is None else float(cfg.budget_s)
     jobs = ladder_jobs(cfg)
     if not cfg.dry_run:

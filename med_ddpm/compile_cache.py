@@ -101,6 +101,12 @@ class CompileCache:
         file, so it is computed only for a run that uses it."""
         return self.path.with_name(f"{self.path.stem}-{code_digest()}.aot")
 
+    @property
+    def plan_path(self) -> Path:
+        """What runs of this key measured on this machine (:mod:`med_ddpm.sample_plan`): per-call seconds of the
+        compiled and eager stacks, the first compiled call's on a cold and on a warm cache."""
+        return self.path.with_suffix(".plan.json")
+
     @classmethod
     def for_run(cls, root: str | Path | None, name: str, stack: RecipeStack, device: torch.device,
                 workload: Mapping[str, Any]) -> CompileCache | None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -34,7 +36,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from med_ddpm import cli, distributed
+from med_ddpm import cli, compile_sidecar, distributed, sample_plan
 from med_ddpm.checkpoint import Loaded, load_checkpoint
 from med_ddpm.compile_cache import CompileCache, cache_status, precompiled_report, sample_workload
 from med_ddpm.config_checks import (
@@ -49,12 +51,13 @@ from med_ddpm.data.datasets import load_condition
 from med_ddpm.data.masks import list_masks, native_size, sampling_geometry
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import save_montage_png, save_volume_like
-from med_ddpm.run_clock import TIMINGS_FILE, RunClock, synchronize
-from med_ddpm.samplers import check_sampler, model_input, sample, sampler_from_config
+from med_ddpm.run_clock import TIMINGS_FILE, RunClock
+from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.samplers.tuned import use_tuned
 from med_ddpm.tracking import build_tracker, check_logger, log_images
 from med_ddpm.utils import seed_everything
 from optim import RecipeStack
+from optim.compile import Compile
 
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
@@ -205,6 +208,15 @@ class SamplingJob:
     out_dir: Path
     cache: CompileCache | None
     masks: Iterator[tuple[int, str, torch.Tensor, Any]]  # (index, name, cond, NIfTI), prepared ahead by a worker
+    plan: sample_plan.Plan = sample_plan.Plan("compiled", False, "compile=always")  # the stack as configured
+    facts: sample_plan.Facts | None = None
+    sidecar: compile_sidecar.Sidecar | None = None  # compiling the cache for the next job
+
+    @property
+    def model_stack(self) -> RecipeStack:
+        """The stack the network is prepared with: the whole stack, or without its compile recipes (eager)."""
+        return self.stack if self.plan.stack == "compiled" else RecipeStack(
+            r for r in self.stack.recipes if not isinstance(r, Compile))
 
 
 def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
@@ -216,16 +228,36 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     loaded = load_checkpoint(cfg.checkpoint, weights=cfg.weights)
     loaded.model.to(device)
     geometry = sampling_geometry(loaded, cfg)
-    masks = prepared_masks(MaskConditions(cfg, *geometry, channel_mult=loaded.model.config["channel_mult"]),
-                           cfg.mask_workers)
+    conditions = MaskConditions(cfg, *geometry, channel_mult=loaded.model.config["channel_mult"])
+    masks = prepared_masks(conditions, cfg.mask_workers)
     clock.mark("checkpoint_ready")
     stack = RecipeStack.from_config(cfg.get("recipe"))
     stack.require(device)
     cache = compile_cache(cfg, loaded, stack, device, geometry[1])
+    sampler = sampler_from_config(cfg.sampler, loaded.schedule.to(device))
+    facts = job_facts(cfg, loaded, stack, cache, len(conditions) * len(sampler.timesteps), geometry[1])
+    plan = sample_plan.plan_job(cfg.get("compile", "always"), facts)
+    log.info(plan.line())
+    job = SamplingJob(cfg, device, loaded, sampler, stack, geometry,
+                      Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
+                      masks, plan, facts)
+    if plan.sidecar and distributed.is_main():
+        job.sidecar = compile_sidecar.start(compile_sidecar.spec_of(
+            cfg.checkpoint, cfg.weights, OmegaConf.to_container(cfg.recipe, resolve=True), cfg.num_samples,
+            geometry[1], device, cfg.paths.compile_cache), cache)
     clock.mark("recipes_ready")
-    return SamplingJob(cfg, device, loaded, sampler_from_config(cfg.sampler, loaded.schedule.to(device)), stack,
-                       geometry, Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
-                       masks)
+    return job
+
+
+def job_facts(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, cache: CompileCache | None, calls: int,
+              size: list[int] | None) -> sample_plan.Facts:
+    """What :func:`med_ddpm.sample_plan.plan_job` decides on: the cache's state (a file there: warm), whether a
+    sidecar compiles it now, this rank's network calls and the costs measured beside the cache (else defaults)."""
+    voxels = math.prod(size) * cfg.num_samples if size else None  # None: an original checkpoint, each mask's size
+    state = "off" if cache is None else "warm" if cache.path.exists() else "cold"
+    compiling = cache is not None and compile_sidecar.compiling(compile_sidecar.marker(cache))
+    known = sample_plan.known_facts(None if cache is None else cache.plan_path, voxels)
+    return sample_plan.facts_from(known, state, calls, any(isinstance(r, Compile) for r in stack.recipes), compiling)
 
 
 def compile_cache(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, device: torch.device,
@@ -241,16 +273,25 @@ def warm_up(job: SamplingJob, model: torch.nn.Module) -> bool:
     masks' worker still reads the first mask. Skipped (False) without a fixed size: an original checkpoint samples
     each mask at its own."""
     size = job.geometry[1]
-    if not job.stack.slow_first_call or size is None:
+    if not job.model_stack.slow_first_call or size is None:
         return False
-    net, n = job.loaded.model, job.cfg.num_samples
-    x = torch.zeros((n, net.out_channels, *size), device=job.device)
-    cond = torch.zeros((1, net.in_channels - net.out_channels, *size), device=job.device).expand(n, -1, -1, -1, -1)
-    t = torch.zeros((n,), dtype=torch.long, device=job.device)
-    with torch.no_grad(), job.stack.forward_context():
-        model(model_input(x, job.stack.prepare_input(cond)), t)
-    synchronize(job.device)
+    compile_sidecar.first_call_on_zeros(model, job.stack, job.loaded.model, job.cfg.num_samples, size, job.device)
     return True
+
+
+def switched(job: SamplingJob, model: torch.nn.Module, calls_done: int) -> torch.nn.Module | None:
+    """The compiled network, once the sidecar has saved the cache and its load repays over the calls left
+    (:func:`med_ddpm.sample_plan.switch_pays`); None otherwise. The compile recipes run last on the prepared
+    network, as in the whole stack's ``prepare_model``."""
+    if job.sidecar is None or not job.sidecar.ready() or not sample_plan.switch_pays(job.facts,
+                                                                                      job.facts.calls - calls_done):
+        return None
+    job.sidecar = None
+    job.cache.load()
+    for recipe in job.stack.recipes:
+        if isinstance(recipe, Compile):
+            model = recipe.prepare_model(model)
+    return model
 
 
 def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> list[float]:
@@ -258,14 +299,19 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
     seconds each mask took (the first includes compilation, cuDNN autotuning and CUDA-graph capture, unless
     :func:`warm_up` took them before it)."""
     cfg, resize_mode = job.cfg, job.geometry[2]
-    if job.cache is not None:
+    compiled = job.plan.stack == "compiled"
+    if job.cache is not None and compiled:
         job.cache.load()
-    model = job.stack.prepare_model(job.loaded.model)
+    model = job.model_stack.prepare_model(job.loaded.model)
     clock.mark("model_ready")
     if warm_up(job, model):
         clock.mark("warmed_up")
-    volume_s = []
+    volume_s, calls = [], len(job.sampler.timesteps)
     for index, name, cond, nifti in job.masks:
+        if (faster := switched(job, model, len(volume_s) * calls)) is not None:
+            model = faster
+            clock.set(switched_at_mask=len(volume_s))
+            log.info("the sidecar's compile is in the cache: the masks from %d on sample compiled", len(volume_s))
         if not volume_s:
             clock.mark("first_mask_ready")  # the first mask in hand: read by a worker since the checkpoint loaded
         start = time.perf_counter()
@@ -277,13 +323,27 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
         if len(volume_s) == 1:
             clock.mark("first_volume_done")
             clock.set(image_size=list(cond.shape[1:]), precompiled=precompiled_report(model))
-            if job.cache is not None:
+            if job.cache is not None and compiled:
                 job.cache.save()
         for k in range(cfg.num_samples):
             suffix = f"_{k}" if cfg.num_samples > 1 else ""
             writer.submit(write_outputs, x0[k], cond, name + suffix, nifti, job.out_dir, resize_mode)
     clock.mark("sampling_done")
+    record_costs(job, clock, volume_s, calls)
     return volume_s
+
+
+def record_costs(job: SamplingJob, clock: RunClock, volume_s: list[float], calls: int) -> None:
+    """Keep what this run measured beside the cache, for the next job's plan: seconds per call of the stack it ran
+    (the later masks' median, when no switch mixed two stacks) and its first compiled call's."""
+    if job.cache is None or not distributed.is_main():
+        return
+    first = "load_s" if job.cache.status == "warm" else "compile_s"
+    per_call = statistics.median(volume_s[1:]) / calls if len(volume_s) > 1 and calls else None
+    kind = "compiled_call_s" if job.plan.stack == "compiled" else "eager_call_s"
+    warm_up_s = clock.values.get("warmed_up_s", 0.0) - clock.values.get("model_ready_s", 0.0)
+    sample_plan.record(job.cache.plan_path, **{kind: None if "switched_at_mask" in clock.values else per_call},
+                       **({first: warm_up_s} if job.plan.stack == "compiled" and "warmed_up_s" in clock.values else {}))
 
 
 def run(cfg: DictConfig) -> list[Path]:
@@ -303,7 +363,7 @@ def run(cfg: DictConfig) -> list[Path]:
         written = writer.close()  # raises a write's error
     clock.set(volumes=len(volume_s) * cfg.num_samples, volume_s=[round(s, 4) for s in volume_s],
               write_busy_s=round(writer.busy_s, 4), write_wait_s=round(writer.wait_s, 4),
-              compile_cache=cache_status(job.cache), recipes=job.stack.names)
+              compile_cache=cache_status(job.cache), recipes=job.stack.names, plan=job.plan.record())
     if distributed.is_main():
         clock.write(job.out_dir)
     return written
@@ -313,6 +373,7 @@ def check_options(cfg: DictConfig) -> None:
     """Refuse, before the checkpoint is loaded, a value sampling would ignore or fail on; ``tuned``: sample with the
     checked grid of a ``sampler.yaml`` of med_ddpm.tune."""
     check_checkpoint_options(cfg)
+    sample_plan.check_mode(cfg.get("compile", "always"))
     if cfg.tuned is not None:
         use_tuned(cfg)
     check_int(cfg, "num_samples", 1)

@@ -56,6 +56,7 @@ from med_ddpm.data.volume_io import save_montage_png
 from med_ddpm.diffusion import NoiseSchedule, diffusion_loss
 from med_ddpm.memory_cap import cap_memory, check_cap_held, expandable_segments_under_cap
 from med_ddpm.model import UNet3D, build_model
+from med_ddpm.preemption import Watch, resume_command
 from med_ddpm.run_clock import LoopTimer, RunClock, TimedIterator, synchronize
 from med_ddpm.samplers import check_sampler, sample, sampler_from_config
 from med_ddpm.tracking import check_logger, finish_training, training_tracker
@@ -96,7 +97,7 @@ def fit(job: Job) -> dict[str, Any]:
     cfg = job.cfg.train
     rank0 = distributed.is_main()
     cap_memory(job.device, cfg.get("memory_cap_gib"))
-    with job.stack.session():
+    with job.stack.session(), Watch() as stop:  # SIGTERM, Ctrl-C: last.pt at the next step's top, exit (preemption.py)
         cache = compile_cache(job)
         if cache is not None:
             cache.load()
@@ -114,6 +115,8 @@ def fit(job: Job) -> dict[str, Any]:
         timer = LoopTimer(job.clock, job.device, batches, cfg.batch_size * cfg.grad_accum)
         t0, start_step, loss = time.perf_counter(), job.step, torch.tensor(float("nan"))
         while job.step < cfg.max_steps:
+            if stop.requested():
+                stop.exit(lambda: save_state(job), job.step, resume_command(job.cfg.output_dir))
             loss = train_step(job, batches)
             bar.update(1)
             if timer.step_done(last=job.step == cfg.max_steps) and cache is not None and rank0:

@@ -5,7 +5,8 @@ with ``experiment=fast_sample``'s stack against the checkpoint's own strict-FP32
 search never saw (:mod:`med_ddpm.tuning`). Writes ``DIR/sampler.yaml``, which
 ``python -m med_ddpm.sample experiment=fast_sample checkpoint=CKPT masks=MASKS tuned=DIR/sampler.yaml`` samples
 with, ``DIR/report.md`` and ``DIR/calls_vs_quality.png``. Interrupted, the same command resumes. ``logger=wandb``: each
-budget gated is also a W&B run.
+budget gated is also a W&B run. ``install=true`` copies a passing ``sampler.yaml`` beside the
+checkpoint, where ``experiment=fast_sample`` (``tuned=auto``) uses it.
 
 Example:
     python -m med_ddpm.tune checkpoint=runs/whole_head/checkpoints/last.pt masks=DATA/mask \\
@@ -21,6 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from med_ddpm import cli
+from med_ddpm.samplers.tuned import install
 from med_ddpm.tracking import (
     build_tracker,
     check_logger,
@@ -67,7 +69,10 @@ def main(cfg: DictConfig) -> None:
     record = run(cfg, out_dir)
     log_budgets(cfg, out_dir)
     tuned = out_dir / RESULT
-    if record["verdict"] == "pass":
+    if record["verdict"] == "pass" and cfg.get("install"):
+        print(f"{record['calls']} model calls pass the gate: {tuned}, installed as {install(tuned, cfg.checkpoint)}; "
+              f"experiment=fast_sample samples with it (tuned=auto)")
+    elif record["verdict"] == "pass":
         print(f"{record['calls']} model calls pass the gate: {tuned}; sample with: "
               + SAMPLE_HINT.format(checkpoint=cfg.checkpoint, tuned=tuned))
     else:

@@ -11,7 +11,8 @@ Example (the jobs of ``configs/ladder/preset/e2e.yaml``; ``only=REGEX`` picks so
     python -m bench.ladder preset=e2e out=results/e2e e2e.data_root=DATA only=e2e_train
 
 A job is a list of strings: ``scenario=e2e_sample|e2e_train``, ``compile_cache=cold|warm``, for sampling
-``masks=N``, then the command's own Hydra overrides. ``cold`` empties the job's compile-cache folder
+``masks=N`` and ``grid=PATH`` (the sampler of a ``med_ddpm.tune`` sampler.yaml, :func:`grid_overrides`), then the
+command's own Hydra overrides. ``cold`` empties the job's compile-cache folder
 (``paths.compile_cache``, inductor's and Triton's caches) first; ``warm`` runs the same command once
 beforehand if that folder has no compile artifacts yet (untimed). Sampling gets N masks by cycling the files
 of ``masks_dir`` (default ``<data_root>/mask``); training uses ``data_root``, and BraTS jobs phantom cases
@@ -43,6 +44,10 @@ precompiled            with a compile recipe's ``aot``: ``loaded``, ``saved`` or
                        precompile_s: the seconds its file took to load, or to build and save (not in torch_compile_s)
 ms_per_volume          training: steady state; data_wait_pct: share of it the loop waited for batches
 peak_mem_gib           ``max_memory_allocated``; peak_reserved_gib: the allocator's (what the GPU holds)
+plan                   sampling: what ``compile=`` chose and why (:mod:`med_ddpm.sample_plan`); sidecar_wait_s: what the
+                       job waited after the command for the compile it left running (:func:`wait_for_sidecars`)
+bytecode               where the commands read bytecode, and whether it was compiled at the run's start
+                       (:mod:`bench.core.bytecode`)
 import_s               with ``import_times=true``: seconds per package of the command's imports, lazy ones included
                        (:func:`import_seconds`; ``-X importtime`` lengthens the imports, so it is off by default)
 =====================  ===================================================================================
@@ -62,18 +67,20 @@ from typing import Any
 
 from hydra import compose
 
+from bench.core import bytecode
 from bench.core.records import RESULTS_FILE, append_row, code_label, read_rows
 from bench.core.subprocesses import spawn
 from bench.core.worker import OOM_PATTERN
-from med_ddpm import cli
+from med_ddpm import cli, compile_sidecar
 from med_ddpm.config_checks import ConfigError
 from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.run_clock import TIMINGS_FILE
+from med_ddpm.samplers.tuned import read_tuned
 from med_ddpm.utils import atomic_write_text, env_info
 
 E2E_MD = "e2e.md"
 
-JOB_KEYS = ("scenario", "compile_cache", "masks")
+JOB_KEYS = ("scenario", "compile_cache", "masks", "grid")
 SCENARIOS = ("e2e_sample", "e2e_train")
 BRATS_SIZE = (144, 192, 192)  # (D, H, W): the original BraTS model's size
 JOB_LIMIT_S = 480.0  # one job's own time limit (its warm-up run and its timed run each)
@@ -118,12 +125,21 @@ def command(own: Mapping[str, str], overrides: list[str], args: Mapping[str, str
                               "original Med-DDPM checkpoint or this project's)")
         masks = cycled_masks(Path(args.get("masks_dir") or Path(args["data_root"]) / "mask"), int(own.get("masks", 4)),
                              job_dir / "masks")
-        return ["med_ddpm.sample", f"checkpoint={args['checkpoint']}", f"masks={masks}", *overrides,
+        grid = grid_overrides(Path(own["grid"])) if own.get("grid") else []
+        return ["med_ddpm.sample", f"checkpoint={args['checkpoint']}", f"masks={masks}", *overrides, *grid,
                 f"output_dir={run_dir}", "progress=false"]
     root = args["data_root"]
     if "experiment=brats" in overrides:
         root = args.get("brats_root") or brats_phantoms(Path(args["out"]) / "brats_phantoms")
     return ["med_ddpm.train", f"data.root={root}", *overrides, f"output_dir={run_dir}", "train.progress=false"]
+
+
+def grid_overrides(path: Path) -> list[str]:
+    """The sampler of a ``sampler.yaml`` of ``med_ddpm.tune`` (its seal checked, not its checkpoint: a job with
+    ``grid=PATH`` times that grid on the job's own weights, whatever they are) as the command's overrides."""
+    node = read_tuned(path, option="grid")["sampler"]
+    return [f"sampler={node['name']}", *(f"sampler.{key}={json.dumps(value).replace(' ', '')}"
+                                          for key, value in node.items() if key != "name")]
 
 
 def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
@@ -132,6 +148,19 @@ def prepare_cache(own: Mapping[str, str], cache_dir: Path, run: Any) -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
     elif not any((cache_dir / "compile").glob("*.bin")):
         run(timed=False)
+
+
+def wait_for_sidecars(folder: Path, limit_s: float) -> float | None:
+    """Wait (at most ``limit_s``) for a compile the command left running for the next job
+    (:mod:`med_ddpm.compile_sidecar`), so that the next job finds its cache and does not share the GPU with it;
+    the seconds waited, None when there was none."""
+    markers = list(folder.glob(f"*{compile_sidecar.MARKER}")) if folder.is_dir() else []
+    if not any(compile_sidecar.compiling(m) for m in markers):
+        return None
+    start = time.monotonic()
+    while any(compile_sidecar.compiling(m) for m in markers) and time.monotonic() - start < limit_s:
+        time.sleep(0.5)
+    return round(time.monotonic() - start, 2)
 
 
 def import_seconds(log: str) -> dict[str, float]:
@@ -244,15 +273,18 @@ def run_job(job: Sequence[str], args: Mapping[str, str], job_dir: Path, timeout_
     argv = command(own, overrides, args, job_dir)
     cache_dir = cache_dir or Path(args.get("cache_dir") or Path(args["out"]) / "cache") / own["scenario"] / re.sub(
         r"\W+", "_", " ".join(o for o in overrides if not o.startswith("train.max_steps")))[:120]
-    prepare_cache(own, cache_dir, lambda timed: spawn(argv, cache_dir, job_dir / "prime.log", timeout_s))
+    prepare_cache(own, cache_dir, lambda timed: (spawn(argv, cache_dir, job_dir / "prime.log", timeout_s),
+                                                 wait_for_sidecars(cache_dir / "compile", timeout_s)))
     shutil.rmtree(job_dir / "run", ignore_errors=True)  # no stale timings.json from the warm-up run
     importtime = args.get("import_times", "").lower() == "true"
     code, wall, tail = spawn(argv, cache_dir, job_dir / "run.log", timeout_s, importtime=importtime)
+    sidecar_wait_s = wait_for_sidecars(cache_dir / "compile", timeout_s - wall)
     timings_path = job_dir / "run" / TIMINGS_FILE
     timings = json.loads(timings_path.read_text()) if code == 0 and timings_path.exists() else None
     row = {"scenario": own["scenario"], "e2e": " ".join(job), "status": "ok", "message": "", "wall_s": round(wall, 3),
            "total_s": round(wall, 3), "compile_cache": (timings or {}).get("compile_cache"), "masks": int(own.get("masks", 0)) or None,
-           "config": {"argv": argv}, "env": env_info(), **workload(argv, timings)}
+           "config": {"argv": argv}, "env": env_info(), **workload(argv, timings),
+           "plan": (timings or {}).get("plan"), "sidecar_wait_s": sidecar_wait_s}
     if timings is None:
         why = "timed out" if code is None else f"exit code {code}"
         row.update(status="oom" if OOM_PATTERN.search(tail) else "error", message=f"{why}; log tail:\n{tail}")
@@ -314,6 +346,7 @@ def run(jobs: Iterator[Sequence[str]], args: Mapping[str, str]) -> int:
     """Run the jobs without a row until ``budget_s`` is spent; returns how many are left."""
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
+    pyc = bytecode.prepare(out) if float(args.get("budget_s", "inf")) > 0 else None  # a dry run's budget is 0
     budget, start, left, done = float(args.get("budget_s", "inf")), time.monotonic(), 0, done_jobs(out)
     for n, job in enumerate(jobs):
         if " ".join(job) in done or (args.get("only") and not re.search(args["only"], " ".join(job))):
@@ -328,7 +361,7 @@ def run(jobs: Iterator[Sequence[str]], args: Mapping[str, str]) -> int:
             left += 1  # cut by the budget, not its own limit: no row, a rerun measures it
             print(f"[cut] {' '.join(job)}: the time budget ran out; rerun to measure it")
             continue
-        append_row(out / RESULTS_FILE, row)
+        append_row(out / RESULTS_FILE, {**row, "bytecode": pyc})
         print(json.dumps({k: row.get(k) for k in ("e2e", "status", "compile_cache", "total_s", "first_volume_s",
                                                    "per_volume_s", "time_to_first_step_s", "ms_per_volume",
                                                    "data_wait_pct")}))

@@ -122,3 +122,16 @@ def publish_unlogged(folder: Path, rows: list[dict[str, Any]], mode: str = "offl
     done = logged(folder)
     logger = {"name": "wandb", "mode": mode, "dir": str(folder)}
     return [publish(row, logger, rows, folder) for row in rows if row_key(row) not in done]
+
+
+def log_unlogged(folder: Path, mode: str) -> None:
+    """After a command preset (``bench.ladder preset=evidence logger=wandb``, whose jobs are processes of their own):
+    each row of ``folder`` not logged yet becomes its run; a W&B failure is a one-line warning (the rows are
+    written already)."""
+    try:
+        ids = publish_unlogged(folder, read_rows(folder / RESULTS_FILE), mode)
+    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the rows stay
+        log.warning("W&B: rows of %s not logged (%s: %s); bench.report dir=%s wandb=true logs them later",
+                    folder / RESULTS_FILE, type(err).__name__, " ".join(str(err).split())[:300], folder)
+        return
+    log.info("W&B: %d row(s) of %s logged as runs (%s)", len(ids), folder / RESULTS_FILE, mode)

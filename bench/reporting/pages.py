@@ -27,7 +27,6 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from bench.core.records import RESULTS_FILE
-from bench.reporting.plan128 import plan_lines
 from bench.reporting.evidence import (
     BASELINES,
     BRATS,
@@ -51,6 +50,7 @@ from bench.reporting.evidence import (
     sig,
     study_line,
 )
+from bench.reporting.plan128 import plan_lines
 from bench.reporting.verdicts import NOT_GATED, QUALITY_DIR, Gates, Verdict
 from med_ddpm.config_checks import ConfigError, DataError
 from med_ddpm.utils import atomic_write_text

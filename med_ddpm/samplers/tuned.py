@@ -5,6 +5,8 @@ its statistics, the checkpoint's sha256 and weights, the recipe stack it was gat
 Its last line, ``content_sha256: <hex>``, is the sha256 of every line above it: a verdict is evidence about the
 grid as written for one set of weights, so ``python -m med_ddpm.sample ... tuned=DIR/sampler.yaml`` refuses a
 file edited by hand, a verdict other than pass, and another checkpoint, each in one line saying how to tune.
+``tuned=auto`` (``experiment=fast_sample``'s) uses the newest such file beside the checkpoint that passes these
+checks, where ``med_ddpm.tune ... install=true`` puts it, and says in one line why it passes over any other.
 
 This module reads and writes the file only (``med_ddpm.sample`` imports it; the tuning is
 :mod:`med_ddpm.tuning`).
@@ -12,6 +14,7 @@ This module reads and writes the file only (``med_ddpm.sample`` imports it; the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Mapping
@@ -33,7 +36,14 @@ def tune_command(checkpoint: str = "CKPT") -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    """sha256 of a file's bytes, read in chunks (a 128^3 checkpoint is hundreds of MB)."""
+    """sha256 of a file's bytes, read in chunks (a 128^3 checkpoint is hundreds of MB) once per version of the file
+    (``tuned=auto`` checks several ``sampler.yaml`` against one checkpoint)."""
+    stat = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     with Path(path).open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -87,9 +97,60 @@ def check_usable(record: Mapping[str, Any], path: str | Path, checkpoint: str, w
                           f"tune this checkpoint: {tune_command(checkpoint)}")
 
 
+def candidates(checkpoint: str | Path) -> list[Path]:
+    """Where ``tuned=auto`` looks: ``sampler*.yaml`` in the checkpoint's folder and, for a training run's
+    ``<run>/checkpoints/`` folder, in the run's ``output_dir`` too."""
+    folder = Path(checkpoint).resolve().parent
+    folders = [folder, folder.parent] if folder.name == "checkpoints" else [folder]
+    return sorted({p for f in folders for p in f.glob("sampler*.yaml") if p.is_file()})
+
+
+def refusal(path: Path, checkpoint: str, weights: str) -> str | None:
+    """Why ``tuned=auto`` passes over the file at ``path`` (None: it is usable): unreadable or edited, a verdict
+    other than pass, or tuned for other weights."""
+    try:
+        record = read_tuned(path, checkpoint=checkpoint)
+        check_usable(record, path, checkpoint, weights)
+    except ConfigError as err:
+        return str(err).partition(": ")[2].partition(";")[0]
+    return None
+
+
+def find_tuned(cfg: DictConfig) -> Path | None:
+    """``tuned=auto``: the newest passing ``sampler.yaml`` of this checkpoint's weights beside it (:func:`candidates`),
+    each file passed over said in one line."""
+    usable = []
+    for path in candidates(cfg.checkpoint):
+        why = refusal(path, cfg.checkpoint, cfg.weights)
+        if why is None:
+            usable.append(path)
+        else:
+            log.info("tuned=auto: not %s: %s", path, why)
+    if not usable:
+        log.info("tuned=auto: no passing sampler.yaml of this checkpoint beside it; sampling with sampler=%s "
+                 "(to tune: %s install=true)", cfg.sampler.get("name"), tune_command(cfg.checkpoint))
+        return None
+    newest = max(usable, key=lambda p: p.stat().st_mtime_ns)
+    if len(usable) > 1:
+        log.info("tuned=auto: %d passing files of this checkpoint (%s); the newest: %s", len(usable),
+                 ", ".join(str(p) for p in usable), newest)
+    return newest
+
+
+def install(tuned: str | Path, checkpoint: str | Path) -> Path:
+    """Copy a sealed ``sampler.yaml`` beside ``checkpoint`` (atomically), where ``tuned=auto`` finds it."""
+    return atomic_write_text(Path(checkpoint).resolve().parent / "sampler.yaml", Path(tuned).read_text(encoding="utf-8"))
+
+
 def use_tuned(cfg: DictConfig) -> None:
     """Replace ``cfg.sampler`` with the checked grid of ``cfg.tuned`` (``med_ddpm.sample``); a recipe stack other
-    than the one it was gated with is allowed, with a warning: the verdict is the gated stack's."""
+    than the one it was gated with is allowed, with a warning: the verdict is the gated stack's. ``tuned=auto``:
+    the file :func:`find_tuned` picks, if any."""
+    if cfg.tuned == "auto":
+        cfg.tuned = find_tuned(cfg)
+        if cfg.tuned is None:
+            return
+        cfg.tuned = str(cfg.tuned)
     record = read_tuned(cfg.tuned, checkpoint=cfg.checkpoint)
     check_usable(record, cfg.tuned, cfg.checkpoint, cfg.weights)
     cfg.sampler = OmegaConf.create(record["sampler"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.core import presets
+from bench.core import e2e, presets
 from bench.core.e2e import (
     command,
     import_seconds,
@@ -205,3 +206,29 @@ def test_a_timed_out_command_is_killed_with_its_workers(tmp_path):
     while running(worker) and time.time() < deadline:
         time.sleep(0.1)
     assert not running(worker)
+
+
+def test_a_grid_job_samples_with_the_sealed_grid_and_refuses_an_edited_one(tmp_path):
+    tuned = Path(__file__).parents[2] / "bench" / "results" / "h100" / "tuned" / "quality_model_seed1" / "sampler.yaml"
+    overrides = e2e.grid_overrides(tuned)
+    assert overrides[0] == "sampler=dpm_solver_pp" and "sampler.steps=25" in overrides
+    assert any(o.startswith("sampler.timesteps=[249,") for o in overrides)
+    edited = tmp_path / "sampler.yaml"
+    edited.write_text(tuned.read_text().replace("steps: 25", "steps: 24"))
+    with pytest.raises(ConfigError, match=r"^grid=\S+: edited since med_ddpm.tune wrote it"):
+        e2e.grid_overrides(edited)
+
+
+@pytest.mark.e2e
+def test_the_job_waits_for_the_compile_its_command_left_running(tmp_path):
+    import subprocess
+    import threading
+
+    from med_ddpm.compile_sidecar import MARKER
+
+    assert e2e.wait_for_sidecars(tmp_path, 10) is None  # none: no wait
+    sidecar = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    threading.Thread(target=sidecar.wait).start()  # reaped when it ends, as init reaps a finished command's sidecar
+    (tmp_path / f"sample-0{MARKER}").write_text(str(sidecar.pid))
+    waited = e2e.wait_for_sidecars(tmp_path, 60)
+    assert sidecar.poll() is not None and waited is not None and waited > 0

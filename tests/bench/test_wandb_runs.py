@@ -102,6 +102,33 @@ def test_the_report_publishes_rows_measured_without_wandb_once(tmp_path, wandb_o
     assert publish_unlogged(tmp_path, rows) == []
 
 
+@pytest.mark.e2e
+def test_a_command_preset_logs_each_of_its_rows_once_the_run_ends(tmp_path, wandb_offline, monkeypatch):
+    """preset=evidence, e2e, quality_training and quality_128 run their jobs as commands of their own: with
+    logger=wandb their rows (a failed one too) become runs when the preset returns, and a rerun logs none again."""
+    from hydra import compose
+
+    from bench import ladder
+    from med_ddpm.cli import configs
+
+    rows = read_rows(GATED)
+    oom = {**rows[0], "status": "oom", "message": "CUDA out of memory", "ms_median": None, "quality": None}
+
+    def preset(cfg):
+        for row in (*rows, oom):
+            append_row(Path(cfg.out) / RESULTS_FILE, row)
+        return 0
+
+    monkeypatch.setitem(ladder.COMMAND_PRESETS, "e2e", preset)
+    with configs():
+        cfg = compose("ladder", overrides=["preset=e2e", f"out={tmp_path}", "logger=wandb"])
+    assert ladder.run(cfg) == 0
+    runs = wandb_offline(tmp_path / "wandb")
+    assert len(runs) == 3 and sorted(r["summary"]["status"] for r in runs) == ["ok", "ok", "oom"]
+    monkeypatch.setitem(ladder.COMMAND_PRESETS, "e2e", lambda cfg: 0)
+    ladder.run(cfg)
+    assert len(wandb_offline(tmp_path / "wandb")) == 3
+
 def test_a_wandb_failure_keeps_the_row_and_warns_in_one_line(tmp_path, wandb_offline, caplog):
     row = append_row(tmp_path / RESULTS_FILE, {
         "scenario": "denoise_step", "batch_size": 1, "recipes": [], "status": "ok", "ms_median": 2.0,

@@ -128,9 +128,13 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path, monkeypatch, recipes):
     monkeypatch.setattr(train_mod, "update_ema", real_update)
     fit(build(cfg_for("train", tmp_path / "killed", *common, "resume=auto")))
 
-    a = read_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")
-    b = read_checkpoint(tmp_path / "killed" / "checkpoints" / "last.pt")
-    assert a["step"] == b["step"] == 6
+    assert_same_last_checkpoint(tmp_path / "straight", tmp_path / "killed", 6)
+
+
+def assert_same_last_checkpoint(run_a: Path, run_b: Path, step: int) -> None:
+    """Both runs' last.pt are at ``step`` with the same weights, EMA and optimizer state."""
+    a, b = (read_checkpoint(run / "checkpoints" / "last.pt") for run in (run_a, run_b))
+    assert a["step"] == b["step"] == step
     for entry in ("model", "ema"):
         for k in a[entry]:
             assert torch.equal(a[entry][k], b[entry][k]), (entry, k)

@@ -292,10 +292,10 @@ def test_logger_wandb_makes_each_budget_one_offline_run_once(failed, checkpoint,
         tune.main(compose_tune(checkpoint, out, cache, *FAIL, "logger=wandb"))
     runs = sorted(wandb_offline(out), key=lambda run: run["config"]["calls"])
     budgets = json.loads((out / "tune.json").read_text())["budgets"]
-    assert [run["name"] for run in runs] == ["tune.2_calls", "tune.3_calls"]
-    for run, (calls, result) in zip(runs, budgets.items(), strict=True):
-        assert run["config"]["calls"] == int(calls) and run["group"] == "tuned" and run["job_type"] == "tune"
-        assert not any(run["config"]["recipe"].values()) and "amp_fp16" in run["config"]["recipe"]
-        assert run["summary"]["verdict"] == result["verdict"] == "fail"
-        assert run["summary"]["worst_p"] == pytest.approx(min(
+    assert [logged["name"] for logged in runs] == ["tune.2_calls", "tune.3_calls"]
+    for logged, (calls, result) in zip(runs, budgets.items(), strict=True):
+        assert logged["config"]["calls"] == int(calls) and logged["group"] == "tuned" and logged["job_type"] == "tune"
+        assert not any(logged["config"]["recipe"].values()) and "amp_fp16" in logged["config"]["recipe"]
+        assert logged["summary"]["verdict"] == result["verdict"] == "fail"
+        assert logged["summary"]["worst_p"] == pytest.approx(min(
             c["p_value"] for c in result["report"]["checks"].values() if c.get("p_value") is not None))

@@ -1,0 +1,163 @@
+"""How ``med_ddpm.sample`` runs a job: eager or compiled, and whether to compile for the next job in a sidecar.
+
+A compiled stack runs each network call faster than the same stack without its compile recipe, but its first
+call pays: about 40 s on a cold cache (inductor, Triton, the ``.aot`` file), a few seconds on a warm one (the
+file's load, cuDNN autotuning, CUDA-graph capture). A 4-mask job on a cold cache saves about a second per mask
+by compiling and spends 40 s doing it. So with ``compile=auto`` the command estimates both and picks the cheaper:
+
+* warm cache: compiled when ``load + calls x compiled`` beats ``calls x eager``;
+* cold cache: compiled in this process when ``compile + calls x compiled`` beats ``calls x eager``; otherwise
+  eager, and a separate process (``med_ddpm.compile_sidecar``) compiles into the cache meanwhile, so the next
+  job finds it warm. When that process is done, the job switches to the compiled stack at the next mask only if
+  the calls left repay the load: ``left x (eager - compiled) > load`` (:func:`switch_pays`).
+
+``compile=always`` compiles in this process (a cold cache: the first call compiles); ``compile=never`` runs the
+stack without its compile recipes. The facts are :class:`Known` values with where each came from: ``measured``
+(this machine, recorded beside the cache by an earlier run, :func:`record`), ``row`` (a committed benchmark row's
+figure) or ``guess`` (no row of this stack: an estimate, said so in the log).
+
+This module is pure (no torch, no files but the record's): tests cover each choice on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from med_ddpm.utils import atomic_write_text
+
+MODES = ("auto", "always", "never")
+REFERENCE_VOXELS = 128 ** 3  # the defaults' workload: one 128^3 whole-head volume per call
+
+
+@dataclass(frozen=True)
+class Known:
+    """A fact of the cost model: seconds, and where the figure comes from (``measured``, ``row`` or ``guess``)."""
+
+    s: float
+    source: str
+
+    def scaled(self, factor: float | None) -> Known:
+        """Another workload's per-call time, proportional to its voxels (None: not known before the masks are read):
+        an estimate unless measured for it."""
+        return self if factor == 1 else Known(self.s * (factor or 1), "guess")
+
+    def __str__(self) -> str:
+        return f"{self.s:.4g} s [{self.source}]"
+
+
+# Defaults for the shipped sampling stack on a 128^3 volume, used until this machine has measured its own.
+DEFAULTS = dict(
+    # forward.shipped on the H100 (bench/results/h100/results.jsonl, 2046e9f): 20.26 ms a call
+    compiled_call_s=Known(0.0203, "row"),
+    # no row times the shipped stack without compile; the nearest, amp_bf16+fused_groupnorm+sdpa_attention+
+    # cudnn_benchmark on the H200 (bench/results/h200), took 32.5 ms
+    eager_call_s=Known(0.0325, "guess"),
+    # e2e.sample4_cold on the H100 (90877a2): the warm-up call that builds the .aot file took 39.9 s
+    compile_s=Known(39.9, "row"),
+    # e2e.sample4_warm on the H100 (90877a2): the warm-up call that loads it took 3.5 s
+    load_s=Known(3.5, "row"),
+)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the plan is made from: the cache's state, the job's network calls and the four costs."""
+
+    cache: str  # warm | cold | off (the stack compiles nothing, or paths.compile_cache=null)
+    calls: int  # network calls this process makes: masks x calls per volume (num_samples are one batch)
+    eager_call_s: Known
+    compiled_call_s: Known
+    compile_s: Known  # a cold cache: the first compiled call (build and save)
+    load_s: Known  # a warm cache: the first compiled call (load, autotune, capture)
+    compiles: bool = True  # the stack has a compile recipe
+    compiling: bool = False  # another process is compiling this cache now
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The stack a job runs (``compiled`` or ``eager``), whether it starts a sidecar compile, and why."""
+
+    stack: str
+    sidecar: bool
+    reason: str
+    eager_s: float | None = None
+    compiled_s: float | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """The log's one line."""
+        then = "; compiling for the next job in another process" if self.sidecar else ""
+        return f"plan: {self.stack}{then} ({self.reason})"
+
+    def record(self) -> dict[str, Any]:
+        """For timings.json (and the e2e rows)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def check_mode(mode: Any) -> str:
+    """``compile=`` must be one of :data:`MODES` (a one-line ConfigError otherwise)."""
+    from med_ddpm.config_checks import check_one_of
+
+    return check_one_of("compile", mode, MODES)
+
+
+def plan_job(mode: str, facts: Facts) -> Plan:
+    """The cheaper of eager and compiled for ``facts`` under ``compile=mode`` (:data:`MODES`)."""
+    if not facts.compiles:
+        return Plan("eager", False, "the stack has no compile recipe")
+    if mode == "never":
+        return Plan("eager", False, "compile=never")
+    if mode == "always":
+        return Plan("compiled", False, "compile=always")
+    eager = facts.calls * facts.eager_call_s.s
+    first = facts.load_s if facts.cache == "warm" else facts.compile_s
+    compiled = first.s + facts.calls * facts.compiled_call_s.s
+    sums = (f"{facts.calls} calls: eager {eager:.1f} s at {facts.eager_call_s} a call; compiled {compiled:.1f} s, "
+            f"{'load' if facts.cache == 'warm' else 'compile'} {first} + {facts.compiled_call_s} a call")
+    known = {k: asdict(v) if isinstance(v, Known) else v for k, v in asdict(facts).items()}
+    if facts.compiling:
+        return Plan("eager", False, f"another process is compiling this cache now; {sums}", eager, compiled, known)
+    if compiled < eager:
+        return Plan("compiled", False, f"{facts.cache} cache, compiling pays; {sums}", eager, compiled, known)
+    sidecar = facts.cache == "cold"
+    return Plan("eager", sidecar, f"{facts.cache} cache, compiling does not pay; {sums}", eager, compiled, known)
+
+
+def switch_pays(facts: Facts, calls_left: int) -> bool:
+    """With a compile just finished elsewhere: loading it now repays its load over the calls left."""
+    return calls_left * (facts.eager_call_s.s - facts.compiled_call_s.s) > facts.load_s.s
+
+
+def known_facts(path: Path | None, voxels: int | None) -> dict[str, Known]:
+    """The four costs: measured on this machine where ``path`` (:func:`record`) has them, else :data:`DEFAULTS`
+    (per-call ones scaled to ``voxels`` per call; None: each mask samples at its own size)."""
+    factor = None if voxels is None else voxels / REFERENCE_VOXELS
+    known = {k: v.scaled(factor) if k.endswith("call_s") else v for k, v in DEFAULTS.items()}
+    try:
+        measured = json.loads(path.read_text()) if path is not None and path.exists() else {}
+    except (OSError, ValueError):  # a record torn by hand: the defaults
+        measured = {}
+    known.update({k: Known(float(v), "measured") for k, v in measured.items()
+                  if k in DEFAULTS and isinstance(v, (int, float)) and math.isfinite(v) and v > 0})
+    return known
+
+
+def record(path: Path | None, **seconds: float | None) -> None:
+    """Keep measured costs (keys of :data:`DEFAULTS`) for the next plan of this cache key (atomically)."""
+    values = {k: round(float(v), 6) for k, v in seconds.items() if v is not None and k in DEFAULTS and v > 0}
+    if path is None or not values:
+        return
+    try:
+        old = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        old = {}
+    atomic_write_text(path, json.dumps({**old, **values}, indent=1, sort_keys=True))
+
+
+def facts_from(known: Mapping[str, Known], cache: str, calls: int, compiles: bool, compiling: bool) -> Facts:
+    return Facts(cache=cache, calls=calls, compiles=compiles, compiling=compiling, **known)

@@ -1,0 +1,210 @@
+"""``compile=auto``: the cost model's choices, its record of measured costs, the switch to a sidecar's compile, and
+the sidecar's process (a kill leaves no cache entry)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from med_ddpm import compile_sidecar, sample_plan
+from med_ddpm.compile_cache import CompileCache
+from med_ddpm.config_checks import ConfigError
+from med_ddpm.sample_plan import DEFAULTS, Facts, Known, plan_job, switch_pays
+
+VOLUME = 128 ** 3
+
+
+def facts(cache: str = "cold", masks: int = 4, calls: int = 100, **changes) -> Facts:
+    return sample_plan.facts_from(sample_plan.known_facts(None, VOLUME), cache, masks * calls,
+                                  changes.pop("compiles", True), changes.pop("compiling", False))
+
+
+@pytest.mark.parametrize(("mode", "cache", "masks", "calls", "stack", "sidecar"), [
+    ("auto", "cold", 4, 100, "eager", True),  # 40 s of compiling to save about 1.2 s a mask
+    ("auto", "cold", 64, 100, "compiled", False),  # 64 masks repay the compile within the job
+    ("auto", "warm", 4, 100, "compiled", False),  # the load repays over 400 calls
+    ("auto", "warm", 1, 25, "eager", False),  # not over 25
+    ("auto", "off", 4, 100, "eager", False),  # no cache to warm for the next job: no sidecar
+    ("always", "cold", 1, 25, "compiled", False),
+    ("never", "warm", 64, 100, "eager", False),
+])
+def test_the_plan_takes_the_cheaper_stack_and_compiles_for_the_next_job_only_on_a_cold_cache(
+        mode, cache, masks, calls, stack, sidecar):
+    plan = plan_job(mode, facts(cache, masks, calls))
+    assert (plan.stack, plan.sidecar) == (stack, sidecar), plan.line()
+    assert "\n" not in plan.line() and plan.line().startswith(f"plan: {stack}")
+
+
+def test_the_plan_starts_no_second_compile_and_compiles_nothing_without_a_compile_recipe():
+    assert (plan_job("auto", facts(compiling=True)).stack, plan_job("auto", facts(compiling=True)).sidecar) == (
+        "eager", False)
+    assert plan_job("always", facts(compiles=False)).stack == "eager"
+
+
+def test_the_log_line_says_which_figures_are_guesses():
+    line = plan_job("auto", facts("cold")).line()
+    assert "[guess]" in line and "[row]" in line  # no row times the shipped stack without compile
+
+
+def test_the_record_is_what_timings_json_carries():
+    record = plan_job("auto", facts("cold")).record()
+    assert record["stack"] == "eager" and record["sidecar"] and record["eager_s"] < record["compiled_s"]
+    assert record["facts"]["eager_call_s"] == {"s": DEFAULTS["eager_call_s"].s, "source": "guess"}
+
+
+def test_switching_pays_only_while_the_calls_left_repay_the_load():
+    f = facts("cold")
+    per_call = f.eager_call_s.s - f.compiled_call_s.s
+    calls = int(f.load_s.s / per_call)
+    assert switch_pays(f, calls + 1) and not switch_pays(f, calls)
+
+
+def test_an_unknown_compile_mode_is_one_line():
+    with pytest.raises(ConfigError, match=r"^compile='sometimes': unknown value; pass one of auto, always, never$"):
+        sample_plan.check_mode("sometimes")
+
+
+def test_measured_costs_replace_the_defaults_and_other_sizes_are_guesses(tmp_path):
+    path = tmp_path / "k.plan.json"
+    sample_plan.record(path, eager_call_s=0.03, compiled_call_s=None, bogus=1.0)
+    sample_plan.record(path, compile_s=12.0)
+    known = sample_plan.known_facts(path, VOLUME)
+    assert known["eager_call_s"] == Known(0.03, "measured") and known["compile_s"] == Known(12.0, "measured")
+    assert known["compiled_call_s"] == DEFAULTS["compiled_call_s"]
+    half = sample_plan.known_facts(None, VOLUME // 2)["compiled_call_s"]
+    assert half == Known(DEFAULTS["compiled_call_s"].s / 2, "guess")
+    assert sample_plan.known_facts(None, None)["compiled_call_s"].source == "guess"  # each mask at its own size
+    path.write_text("{torn")
+    assert sample_plan.known_facts(path, VOLUME) == sample_plan.known_facts(None, VOLUME)
+
+
+# ------------------------------------------------------------------------------------------------ the wiring
+class FakeSidecar:
+    def __init__(self, ready: bool) -> None:
+        self._ready = ready
+
+    def ready(self) -> bool:
+        return self._ready
+
+
+def job_with(tmp_path: Path, plan: sample_plan.Plan, sidecar=None, calls: int = 400):
+    from med_ddpm.cli import CONFIG_DIR
+    from med_ddpm.sample import SamplingJob
+    from optim import RecipeStack
+
+    recipes = OmegaConf.merge(*(OmegaConf.load(CONFIG_DIR / "recipe" / f"{n}.yaml") for n in ("channels_last_3d",
+                                                                                                "compile")))
+    stack = RecipeStack.from_config(recipes)
+    cache = CompileCache(tmp_path, "sample", {"k": 1})
+    job = SamplingJob(OmegaConf.create({}), torch.device("cpu"), None, None, stack, ("whole_head", [8, 8, 8], ""),
+                      tmp_path, cache, iter(()), plan, facts("cold", 1, calls), sidecar)
+    return job
+
+
+def test_an_eager_plan_prepares_the_network_without_the_compile_recipes(tmp_path):
+    eager = job_with(tmp_path, plan_job("auto", facts("cold")))
+    assert eager.model_stack.names == ["channels_last_3d"]
+    assert job_with(tmp_path, plan_job("always", facts())).model_stack.names == ["channels_last_3d", "compile"]
+
+
+def test_the_job_switches_to_the_sidecar_s_compile_once_it_is_ready_and_only_if_it_pays(tmp_path):
+    from med_ddpm.sample import switched
+
+    net = torch.nn.Conv3d(1, 1, 1)
+    plan = plan_job("auto", facts("cold"))
+    assert switched(job_with(tmp_path, plan, FakeSidecar(False)), net, 0) is None  # still compiling
+    assert switched(job_with(tmp_path, plan, FakeSidecar(True)), net, 400) is None  # no calls left
+    job = job_with(tmp_path, plan, FakeSidecar(True))
+    eager_forward = net.forward
+    compiled = switched(job, net, 0)
+    assert compiled is net and net.forward != eager_forward and job.sidecar is None  # compiled in place, once
+
+
+STANDIN = """
+import json, sys, time
+from pathlib import Path
+from med_ddpm.utils import atomic_write
+spec = json.loads(Path(sys.argv[1]).read_text())
+def slow(f):
+    f.write(b"half")
+    Path(spec["started"]).write_text("writing")
+    time.sleep(60)
+    f.write(b"the rest")
+atomic_write(spec["target"], slow)
+"""
+
+
+@pytest.mark.e2e
+def test_a_sidecar_killed_while_it_writes_leaves_no_cache_entry_and_no_live_marker(tmp_path, monkeypatch):
+    """The stand-in writes the cache file as the sidecar does (a temporary file renamed at the end), started and
+    marked by the same :func:`compile_sidecar.start`; SIGKILL half-way leaves no file where the next job looks."""
+    (tmp_path / "standin_sidecar.py").write_text(STANDIN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    cache = CompileCache(tmp_path / "cache", "sample", {"k": 1})
+    cache.root.mkdir()
+    started = tmp_path / "started"
+    sidecar = compile_sidecar.start({"target": str(cache.path), "started": str(started)}, cache,
+                                    module="standin_sidecar")
+    assert compile_sidecar.compiling(compile_sidecar.marker(cache))
+    deadline = time.monotonic() + 120
+    while not started.exists() and sidecar.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), (tmp_path / "cache").joinpath(cache.path.stem + ".sidecar.log").read_text()
+    os.kill(sidecar.proc.pid, signal.SIGKILL)
+    sidecar.proc.wait()
+    assert not cache.path.exists() and not sidecar.ready()
+    assert not compile_sidecar.compiling(compile_sidecar.marker(cache))  # its pid is gone: a new job may compile
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_small_job_on_a_cold_cache_samples_eagerly_while_its_sidecar_fills_the_cache(tmp_path):
+    """The sampling command with ``compile=auto`` and the ``compile`` recipe (CPU inductor: slow) on a tiny model: it
+    samples without compiling, says so in timings.json, and its sidecar saves the file a later job's cache names,
+    records its compile seconds and removes its marker."""
+    import json
+    import subprocess
+
+    from test_train import cfg_for
+
+    from med_ddpm.checkpoint import save_checkpoint
+    from med_ddpm.cli import CONFIG_DIR
+    from med_ddpm.compile_cache import sample_workload
+    from med_ddpm.model import build_model
+    from optim import RecipeStack
+
+    trained = OmegaConf.to_container(cfg_for("train", tmp_path / "run"), resolve=True)  # the 8^3 test model
+    model_cfg = trained["model"]
+    net = build_model(model_cfg)
+    save_checkpoint(tmp_path / "m.pt", model_state=net.state_dict(), ema_state=net.state_dict(), step=0,
+                    config={k: trained[k] for k in ("model", "diffusion", "data")})
+    cache_root = tmp_path / "cache"
+    subprocess.run([sys.executable, "-m", "med_ddpm.sample", f"checkpoint={tmp_path / 'm.pt'}", "recipe=[compile]",
+                    "compile=auto", f"paths.compile_cache={cache_root}", "sampler=ddim", "sampler.steps=2",
+                    "device=cpu", "progress=false", f"output_dir={tmp_path / 'out'}"], check=True, timeout=900)
+    plan = json.loads((tmp_path / "out" / "timings.json").read_text())["plan"]
+    assert plan["stack"] == "eager" and plan["sidecar"] and "compiling does not pay" in plan["reason"]
+    size = list(model_cfg["image_size"])
+    recipe = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "recipe" / "compile.yaml"), resolve=True)
+    cache = CompileCache.for_run(cache_root, "sample", RecipeStack.from_config(recipe),
+                                 torch.device("cpu"), sample_workload(net.config, 1, size))
+    deadline = time.monotonic() + 900
+    while compile_sidecar.compiling(compile_sidecar.marker(cache)) and time.monotonic() < deadline:
+        time.sleep(1)
+    log = cache.path.with_suffix(".sidecar.log")
+    assert cache.path.exists() and not compile_sidecar.marker(cache).exists(), log.read_text()
+    known = sample_plan.known_facts(cache.plan_path, 1)
+    assert known["compile_s"].source == known["eager_call_s"].source == "measured"
+
+
+def test_the_sidecar_s_spec_is_what_the_job_s_cache_key_is_built_from():
+    spec = compile_sidecar.spec_of(Path("c.pt"), "ema", {"compile": {}}, 2, [8, 8, 8], torch.device("cpu"), "/c")
+    assert spec == {"checkpoint": "c.pt", "weights": "ema", "recipe": {"compile": {}}, "num_samples": 2,
+                    "size": [8, 8, 8], "device": "cpu", "cache_root": "/c"}
