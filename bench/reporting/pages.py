@@ -264,8 +264,9 @@ def gate_files(run: Run, page_dir: Path) -> str:
     return f"Quality verdicts are read from the gate's files in {link(quality, page_dir, QUALITY_DIR + '/')}"
 
 
-def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
-    """The whole page of one GPU folder's run."""
+def gpu_page(run: Run, gates: Gates, page_dir: Path, plan: bool = False) -> str:
+    """The whole page of one GPU folder's run; with ``plan``, the 128³ quality model's plan priced from it (on the
+    page of the GPU the README shows: one plan, not one per GPU)."""
     named = set(run.jobs) - {f"{w}.{s}" for w in WORKLOADS for s in STACKS} - set(E2E) - {BRATS, COUNTERS_BASE,
                                                                                              *COUNTERS}
     lines = [f"# Results: {run.device} ({run.folder.as_posix()})", "",
@@ -284,7 +285,7 @@ def gpu_page(run: Run, gates: Gates, page_dir: Path) -> str:
               "## Hardware counters against the study's claims", "",
               "Nsight Compute on the 128³ sampler step, library kernels; factors against `counters.strict_fp32`.", "",
               *counters_table(run),
-              *plan_lines(run),
+              *(plan_lines(run) if plan else []),
               "## The run's time", "", *time_table(run)]
     if named:
         lines += [f"The run also holds rows of jobs outside these tables: {', '.join(sorted(named))}.", ""]
@@ -474,7 +475,8 @@ def render(folders: Sequence[Path], docs: Path, readme: Path | None, readme_gpu:
     """The runs and every page's text by path: each folder's page, and with ``readme`` gpus.md and the README."""
     runs = choose_runs(folders, wanted)
     gates = {r.gpu: Gates.read(r.folder) for r in runs}
-    pages = {docs / f"{r.folder.name}.md": gpu_page(r, gates[r.gpu], docs) for r in runs}
+    pages = {docs / f"{r.folder.name}.md": gpu_page(r, gates[r.gpu], docs, r.folder.name == readme_gpu)
+             for r in runs}
     if readme is None:
         return runs, pages
     pages[docs / GPUS_PAGE] = gpus_page(runs, gates, docs)

@@ -74,6 +74,8 @@ def test_every_page_comes_from_one_run_per_gpu(evidence_repo):
     assert "`ddpm250.shipped` (DDPM, 250 steps, batch 1) | 4.751 s |" in h200 and "| 6.75 | not gated (no 128³ gate" in h200
     assert "pass" not in h100.split("## Step benchmarks")[1] and "this folder has no gate files (no `quality/`)" in h100
     assert "read from the gate's files in [quality/](../../bench/results/h200/quality)" in h200
+    # One plan for the 128³ quality model, on the page of the GPU the README shows.
+    assert "## The 128³ quality model's plan" in h100 and "## The 128³ quality model's plan" not in h200
     assert "| `sampler25.strict_fp32` (the searched 25-call sampler) | unsupported: synthetic, no such row on this card |" in h100
     assert "| `sampler25.torch_defaults` (the searched 25-call sampler) | no row |" in h100
     # Side by side: a sentence per workload, from the numbers, and the counters under the study's claims.
