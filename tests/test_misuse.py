@@ -412,12 +412,13 @@ def _sigint_default() -> None:
 
 @pytest.mark.e2e
 def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
-    """Ctrl-C during training: exit status 130 and ``interrupted``, not a KeyboardInterrupt traceback."""
-    run_dir, err = tmp_path / "run", tmp_path / "stderr.txt"
-    with err.open("w") as stderr:
+    """Ctrl-C during training: exit status 130, last.pt at the step reached and one line saying how to resume, not a
+    KeyboardInterrupt traceback."""
+    run_dir, err, out = tmp_path / "run", tmp_path / "stderr.txt", tmp_path / "stdout.txt"
+    with err.open("w") as stderr, out.open("w") as stdout:
         proc = subprocess.Popen([sys.executable, "-m", "med_ddpm.train", *BASE["train"], "+logger.log_every=1",
                                  "train.max_steps=100000", f"output_dir={run_dir}"], cwd=tmp_path, stderr=stderr,
-                                stdout=subprocess.DEVNULL, preexec_fn=_sigint_default,
+                                stdout=stdout, preexec_fn=_sigint_default,
                                 env={**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
                                      "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
         try:
@@ -434,5 +435,7 @@ def test_ctrl_c_ends_a_command_in_one_line(tmp_path):
                 pytest.fail(f"no exit 60 s after SIGINT; its threads:\n{err.read_text()[-6000:]}")
         finally:
             proc.kill()
-    lines = err.read_text().strip().splitlines()
-    assert lines[-1] == "interrupted" and "Traceback" not in err.read_text(), err.read_text()
+    said = (out.read_text() + err.read_text()).strip().splitlines()
+    assert "Traceback" not in err.read_text() and (run_dir / "checkpoints" / "last.pt").is_file(), err.read_text()
+    assert re.search(r"stopped by SIGINT at step \d+: checkpoints/last\.pt holds it; resume with: python -m "
+                     r"med_ddpm\.train .*resume=auto$", said[-1]), said[-3:]

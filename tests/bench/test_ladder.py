@@ -86,7 +86,7 @@ def test_the_cli_is_hydras_and_a_bad_preset_is_one_line(tmp_path):
         f"{', '.join(dict.fromkeys([*presets.names(), *COMMAND_PRESETS]))}")
     assert {"smoke", "gpu", "core", "targets", "quality", "quality_pair", "samplers", "e2e", "evidence"} <= set(
         presets.names())
-    assert set(COMMAND_PRESETS) == {"e2e", "quality_training", "evidence"}
+    assert set(COMMAND_PRESETS) == {"e2e", "quality_training", "evidence", "quality_128"}
 
 
 def test_refresh_remeasures_the_named_jobs_once_per_code_version(tmp_path, monkeypatch, capsys):
