@@ -19,8 +19,6 @@ from med_ddpm.config_checks import ConfigError, check_choice, check_int
 from med_ddpm.quality.evaluate import evaluate, summary_markdown
 from med_ddpm.tracking import build_tracker, check_logger, log_images
 
-CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
-
 
 def check_options(cfg: DictConfig) -> None:
     """The counts and choices, refused before any volume is read."""
@@ -43,7 +41,7 @@ def log_run(cfg: DictConfig, config: dict, metrics: dict, out: Path) -> None:
     tracker.finish()
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="evaluate", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="evaluate", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     out = cli.output_dir(cfg)

@@ -61,7 +61,6 @@ from optim.compile import Compile
 
 log = logging.getLogger("med_ddpm.sample")
 T = TypeVar("T")
-CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 PHANTOM_MASKS = 2  # masks=null: masks of this many synthetic phantoms
 
 
@@ -406,7 +405,7 @@ def log_run(cfg: DictConfig, out_dir: Path) -> None:
     tracker.finish()
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="sample", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="sample", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     check_output_dir(cli.output_dir(cfg))

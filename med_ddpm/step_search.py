@@ -41,7 +41,6 @@ from med_ddpm.utils import atomic_write_text, json_safe, resolve_device, seed_ev
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.step_search")
-CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 
 
 def check_options(cfg: DictConfig) -> list[int]:
@@ -92,14 +91,14 @@ def usage_hint(cfg: DictConfig, written: Sequence[Path]) -> str:
     path (``<dir>/sampler/<name>_<K>.yaml`` is the ``sampler`` group's option ``<name>_<K>``)."""
     sampler_dir, k = Path(cfg.sampler_dir).resolve(), written[0].stem.rsplit("_", 1)[1]
     use = f"sampler={written[0].stem} sampler.steps={k}"
-    if sampler_dir != Path(CONFIG_DIR) / "sampler":
+    if sampler_dir != cli.CONFIG_DIR / "sampler":
         if sampler_dir.name != "sampler":
             return f"sampler configs in {sampler_dir} (move them into a folder named sampler/ to select them)"
         use = f"'hydra.searchpath=[file://{sampler_dir.parent}]' " + use
     return f"sample with: python -m med_ddpm.sample checkpoint={cfg.checkpoint} masks=MASKS {use}"
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="step_search", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="step_search", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> None:
     out_dir = cli.output_dir(cfg)

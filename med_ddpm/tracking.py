@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from med_ddpm.cli import CONFIG_DIR
 from med_ddpm.config_checks import ConfigError, OutputError
 from med_ddpm.utils import append_line, atomic_write_text
 
@@ -146,8 +147,6 @@ def finish_training(tracker: Tracker, summary: Mapping[str, Any], timings: Path 
 def recipe_config(chosen: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
     """A stack as run config: ``recipe.<name>`` true or false for every recipe of configs/recipe/ (one boolean axis
     each in a parallel-coordinates panel) and ``recipe_options.<name>.<key>`` for each chosen recipe's options."""
-    from med_ddpm.cli import CONFIG_DIR
-
     names = {p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")} | set(chosen)
     return {"recipe": {name: name in chosen for name in sorted(names)},
             "recipe_options": {name: {k: v for k, v in (options or {}).items() if not k.startswith("_")}

@@ -65,11 +65,10 @@ from med_ddpm.utils import append_line, seed_everything
 from optim import RecipeStack
 
 log = logging.getLogger("med_ddpm.train")
-CONFIG_DIR = str(cli.CONFIG_DIR)  # @hydra.main takes a string
 LOSS_LOG = "loss.jsonl"  # <output_dir>/loss.jsonl: every logged step's metrics, whatever the logger
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+@hydra.main(config_path=cli.CONFIG_PATH, config_name="train", version_base="1.3")
 @cli.entry
 def main(cfg: DictConfig) -> float:
     """Hydra entry point; returns the final loss (so Optuna sweeps can minimise it)."""

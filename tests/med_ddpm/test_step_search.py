@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from med_ddpm import step_search
 from med_ddpm.checkpoint import save_checkpoint
+from med_ddpm.cli import CONFIG_PATH
 from med_ddpm.data.phantoms import write_phantom_niftis
 from med_ddpm.diffusion import NoiseSchedule
 from med_ddpm.model import UNet3D
@@ -28,7 +29,6 @@ from med_ddpm.samplers.search import (
     sampler_snippet,
     search,
 )
-from med_ddpm.step_search import CONFIG_DIR
 
 MU, S = 0.2, 0.3  # toy data x₀ ~ N(μ, s²) per voxel
 
@@ -133,7 +133,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def compose_search(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
         return compose("step_search", overrides=["device=cpu", "progress=false", *overrides])
 
 
@@ -154,7 +154,7 @@ def test_command_writes_sampler_configs_that_sample(checkpoint, tmp_path, capsys
     assert "| 6 |" in (out / "step_search.md").read_text()
     hint = next(line for line in printed.splitlines() if line.startswith("sample with: "))
     assert f"'hydra.searchpath=[file://{out}]' sampler=ays_small_4 sampler.steps=4" in hint
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
         cfg = compose("sample", overrides=[f"hydra.searchpath=[file://{out}]", "sampler=ays_small_4",
                                            "sampler.steps=4", f"checkpoint={checkpoint}"])
     assert sampler_from_config(cfg.sampler, NoiseSchedule(50)).timesteps.tolist() == summary["results"]["4"]["grid"]
