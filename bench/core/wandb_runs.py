@@ -26,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,18 +103,24 @@ def publish(row: Mapping[str, Any], logger: Mapping[str, Any], rows: list[dict[s
     return tracker.id
 
 
+@contextmanager
+def warn_on_failure(what: str, kept: str) -> Iterator[None]:
+    """Whatever W&B raises becomes one warning line naming ``what`` was not logged and where the rows are
+    ``kept``: a tracker's failure never costs a row or stops a sweep."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the rows stay
+        line = " ".join(str(err).split())[:300]
+        log.warning("W&B: %s not logged (%s: %s); %s", what, type(err).__name__, line, kept)
+
+
 def log_job(row: Mapping[str, Any], folder: Path) -> None:
-    """Make a just-written row of ``folder`` a W&B run when its job's ``logger`` is ``wandb``; a W&B failure is
-    a one-line warning (the row is written already)."""
+    """Make a just-written row of ``folder`` a W&B run when its job's ``logger`` is ``wandb``."""
     logger = (row.get("config") or {}).get("logger") or {}
     if logger.get("name") != "wandb":
         return
-    try:
+    with warn_on_failure(job_name(row), f"its row is in {folder / RESULTS_FILE}"):
         publish(row, logger, read_rows(folder / RESULTS_FILE), folder)
-    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the sweep goes on
-        line = " ".join(str(err).split())[:300]
-        log.warning("W&B: %s not logged (%s: %s); its row is in %s", job_name(row), type(err).__name__, line,
-                    folder / RESULTS_FILE)
 
 
 def publish_unlogged(folder: Path, rows: list[dict[str, Any]], mode: str = "offline") -> list[str]:
@@ -126,12 +133,7 @@ def publish_unlogged(folder: Path, rows: list[dict[str, Any]], mode: str = "offl
 
 def log_unlogged(folder: Path, mode: str) -> None:
     """After a command preset (``bench.ladder preset=evidence logger=wandb``, whose jobs are processes of their own):
-    each row of ``folder`` not logged yet becomes its run; a W&B failure is a one-line warning (the rows are
-    written already)."""
-    try:
+    each row of ``folder`` not logged yet becomes its run."""
+    with warn_on_failure(f"rows of {folder / RESULTS_FILE}", f"bench.report dir={folder} wandb=true logs them later"):
         ids = publish_unlogged(folder, read_rows(folder / RESULTS_FILE), mode)
-    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the rows stay
-        log.warning("W&B: rows of %s not logged (%s: %s); bench.report dir=%s wandb=true logs them later",
-                    folder / RESULTS_FILE, type(err).__name__, " ".join(str(err).split())[:300], folder)
-        return
-    log.info("W&B: %d row(s) of %s logged as runs (%s)", len(ids), folder / RESULTS_FILE, mode)
+        log.info("W&B: %d row(s) of %s logged as runs (%s)", len(ids), folder / RESULTS_FILE, mode)
