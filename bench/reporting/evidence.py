@@ -26,7 +26,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.core.records import RESULTS_FILE, code_label, read_results
 from med_ddpm.config_checks import ConfigError, DataError
@@ -37,16 +37,31 @@ STACKS = ("strict_fp32", "torch_defaults", "shipped")
 BASELINES = STACKS[:2]  # every speed-up is against both, of the same run
 HEADLINE = (*(f"{w}.{s}" for w in ("forward", "train_step") for s in STACKS), "sampler25.shipped",
             "fast_sampler.shipped", "ddpm250.strict_fp32", "ddpm250.torch_defaults")
-# The real commands from process start: job -> (its row's figure, what it times, the step job beside it).
+
+
+class E2EJob(NamedTuple):
+    """A real command's figure: its row's field (``total_s`` divided by the volumes when ``per_volume``), what it
+    times, the step job beside it and the project's target in ms (H100 class, issue targets of a fresh machine)."""
+
+    field: str
+    what: str
+    step: str
+    target_ms: float
+    per_volume: bool = False
+
+
 E2E = {
-    "e2e.sample4_warm": ("total_s", "4 masks, warm compile cache", "fast_sampler.shipped"),
-    "e2e.sample4_cold": ("total_s", "4 masks, cold compile cache", "fast_sampler.shipped"),
-    "e2e.train_first_step_warm": ("time_to_first_step_s", "to the first step, warm compile cache",
-                                  "train_step.shipped"),
-    "e2e.train_steady": ("ms_per_volume", "a volume in the loop's steady state", "train_step.shipped"),
+    "e2e.sample4_cold": E2EJob("total_s", "4 masks, cold compile cache", "fast_sampler.shipped", 25_000.0),
+    "e2e.sample4_warm": E2EJob("total_s", "4 masks, warm compile cache", "fast_sampler.shipped", 15_000.0),
+    "e2e.sample4_warm_tuned25": E2EJob("total_s", "4 masks, warm, the tuned 25-call grid", "sampler25.shipped",
+                                       10_000.0),
+    "e2e.sample32_warm_tuned25": E2EJob("total_s", "32 masks, warm, the tuned 25-call grid: the command's time a "
+                                        "volume", "sampler25.shipped", 800.0, per_volume=True),
+    "e2e.train_first_step_warm": E2EJob("time_to_first_step_s", "to the first step, warm compile cache",
+                                        "train_step.shipped", 20_000.0),
+    "e2e.train_steady": E2EJob("ms_per_volume", "a volume in the loop's steady state", "train_step.shipped", 60.0,
+                               per_volume=True),
 }
-E2E_TARGETS = {"e2e.sample4_warm": 15_000.0, "e2e.sample4_cold": 45_000.0, "e2e.train_first_step_warm": 20_000.0,
-               "e2e.train_steady": 60.0}  # ms: the project's end-to-end targets (H100 or H200 class)
 # Where a real command's time goes: its row's split (bench.core.e2e), phase by phase in the order they run; a row
 # shows the phases its code marked (older rows: the dataset built before the model); an .aot file is read in the first
 # call (sampling: the warm-up, where one ran).
@@ -182,10 +197,18 @@ class Run:
 
     def e2e_ms(self, job: str) -> float | None:
         """An end-to-end job's figure (:data:`E2E`) in ms, None when it has no ``ok`` row."""
-        row, key = self.ok(job), E2E[job][0]
-        if row is None or row.get(key) is None:
+        row, spec = self.ok(job), E2E[job]
+        if row is None or row.get(spec.field) is None:
             return None
-        return float(row[key]) * (1.0 if key.startswith("ms_") else 1000.0)
+        ms = float(row[spec.field]) * (1.0 if spec.field.startswith("ms_") else 1000.0)
+        return ms / int(row["volumes"]) if spec.per_volume and not spec.field.startswith("ms_") else ms
+
+    def plan(self, job: str) -> str:
+        """The stack ``compile=auto`` chose for a sampling job (:mod:`med_ddpm.sample_plan`), ``""`` without one."""
+        plan = (self.ok(job) or {}).get("plan") or {}
+        if not plan:
+            return ""
+        return plan["stack"] + (", compiling for the next job in another process" if plan.get("sidecar") else "")
 
     def variant(self, job: str) -> str:
         """`` (`fast_train_fp16`)`` when the GPU ran the job as its experiment's fp16 variant (the ladder's ``variant``

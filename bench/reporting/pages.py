@@ -34,7 +34,6 @@ from bench.reporting.evidence import (
     COUNTERS,
     COUNTERS_BASE,
     E2E,
-    E2E_TARGETS,
     SAMPLE_PHASES,
     STACKS,
     STUDY,
@@ -97,7 +96,7 @@ def e2e_cell(run: Run, job: str) -> str:
     ms = run.e2e_ms(job)
     if ms is None:
         return run.status(job)
-    return f"{fmt_ms(ms)} a volume" if E2E[job][0] == "ms_per_volume" else fmt_ms(ms)
+    return f"{fmt_ms(ms)} a volume" if E2E[job].per_volume else fmt_ms(ms)
 
 
 def readme_table(run: Run, gates: Gates, readme_dir: Path, page: Path) -> str:
@@ -110,7 +109,7 @@ def readme_table(run: Run, gates: Gates, readme_dir: Path, page: Path) -> str:
              "", "| " + " | ".join(README_COLUMNS) + " |", "|" + " --- |" * len(README_COLUMNS)]
     for workload in WORKLOADS:
         shipped = f"{workload}.shipped"
-        real = [f"`{job}` {e2e_cell(run, job)}" for job, (_, _, step) in E2E.items() if step == shipped]
+        real = [f"`{job}` {e2e_cell(run, job)}" for job, spec in E2E.items() if spec.step == shipped]
         cells = [f"`{workload}`", *(time_cell(run, gates, f"{workload}.{s}") for s in STACKS),
                  *(fmt_x(run.speedup(shipped, b)) for b in BASELINES), "; ".join(real)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -146,13 +145,13 @@ def step_table(run: Run, gates: Gates, page_dir: Path) -> list[str]:
 
 def target(job: str) -> str:
     """The project's target for an end-to-end figure: ``≤ 15.00 s``."""
-    return f"≤ {fmt_ms(E2E_TARGETS[job])}{' a volume' if E2E[job][0] == 'ms_per_volume' else ''}"
+    return f"≤ {fmt_ms(E2E[job].target_ms)}{' a volume' if E2E[job].per_volume else ''}"
 
 
 def met(run: Run, job: str) -> str:
     """``met`` or ``missed`` (the run's figure against the target), ``""`` without a figure."""
     ms = run.e2e_ms(job)
-    return "" if ms is None else ("met" if ms <= E2E_TARGETS[job] else "missed")
+    return "" if ms is None else ("met" if ms <= E2E[job].target_ms else "missed")
 
 
 def target_cell(run: Run, job: str) -> str:
@@ -161,14 +160,14 @@ def target_cell(run: Run, job: str) -> str:
 
 
 def e2e_table(run: Run) -> list[str]:
-    """The real commands' figures, each beside its target and the step benchmark of the same stack in the same run."""
-    lines = ["| job | what | figure | target | the step benchmark beside it |",
-             "|" + " --- |" * 5]
-    for job, (_, what, step) in E2E.items():
-        beside = run.ms_per_volume(step)
-        shown = f"`{step}` {fmt_ms(beside)} a volume" if beside else ""
+    """The real commands' figures, each beside its target, the plan it took (``compile=auto``) and the step benchmark
+    of the same stack in the same run."""
+    lines = ["| job | what | figure | target | plan | the step benchmark beside it |", "|" + " --- |" * 6]
+    for job, spec in E2E.items():
+        beside = run.ms_per_volume(spec.step)
+        shown = f"`{spec.step}` {fmt_ms(beside)} a volume" if beside else ""
         figure = e2e_cell(run, job) if run.ok(job) else run.status_note(job)
-        lines.append(f"| `{job}` | {what} | {figure} | {target_cell(run, job)} | {shown} |")
+        lines.append(f"| `{job}` | {spec.what} | {figure} | {target_cell(run, job)} | {run.plan(job)} | {shown} |")
     return lines + [""]
 
 
@@ -193,7 +192,7 @@ def sample_tail(row: dict) -> tuple[float, float, float]:
 def startup_tables(run: Run) -> list[str]:
     """Where the real commands' seconds go, from each row's split (:mod:`bench.core.e2e`)."""
     lines = []
-    sampling = [job for job in ("e2e.sample4_warm", "e2e.sample4_cold") if "first_volume_s" in (run.ok(job) or {})]
+    sampling = [job for job in E2E if job.startswith("e2e.sample") and "first_volume_s" in (run.ok(job) or {})]
     if sampling:
         rows = [run.ok(job) for job in sampling]
         tails = [sample_tail(row) for row in rows]
@@ -401,11 +400,11 @@ def code_differs(runs: Sequence[Run]) -> list[str]:
 def e2e_side_by_side(runs: Sequence[Run]) -> list[str]:
     lines = ["## The real commands, from process start", "", *code_differs(runs),
              *header("job", ("", "step beside it, a volume"), runs)]
-    for job, (_, what, step) in E2E.items():
-        cells = [f"`{job}` ({what}; target {target(job)})"]
+    for job, spec in E2E.items():
+        cells = [f"`{job}` ({spec.what}; target {target(job)})"]
         for r in runs:
             cells += [", ".join(filter(None, (e2e_cell(r, job), met(r, job)))) if r.ok(job) else r.status_note(job),
-                      f"`{step}` {fmt_ms(r.ms_per_volume(step))}" if r.ms(step) else ""]
+                      f"`{spec.step}` {fmt_ms(r.ms_per_volume(spec.step))}" if r.ms(spec.step) else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -85,11 +85,14 @@ def time_candidates(row: dict | None) -> list[float]:
 
 
 def figures_of(row: dict | None) -> list[float]:
-    """Every numeric field of an end-to-end row, each in ms as well when its name says seconds."""
+    """Every numeric field of an end-to-end row, each in ms as well when its name says seconds, and the command's
+    time a volume (``total_s`` over ``volumes``)."""
     out = []
     for key, value in (row or {}).items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             out += [value * 1000.0] if key.endswith("_s") else [value]
+    if (row or {}).get("total_s") and (row or {}).get("volumes"):
+        out.append(row["total_s"] * 1000.0 / row["volumes"])
     return out
 
 

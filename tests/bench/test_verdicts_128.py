@@ -9,7 +9,7 @@ import pytest
 
 from bench.quality import training_power
 from bench.quality.training_verdict import ALPHA, VAL_SHARE, check
-from bench.reporting.evidence import choose_run
+from bench.reporting.evidence import choose_run, fmt_ms
 from bench.reporting.pages import publish
 from bench.reporting.verdicts import Gates, trained_detail
 
@@ -76,7 +76,7 @@ def test_the_published_pages_read_128_gate_rows_from_the_quality_folder(tmp_path
     assert "| fail (p 0.004, bias 0.015, N=32, gate run 20270101T000000Z-g, [results.jsonl]" in cell
     forward = next(line for line in page.splitlines() if line.startswith("| `forward.shipped`"))
     assert "| fail (as `fast_sampler.shipped`, p 0.004" in forward
-    assert "| 2.098 s, fail |" in readme.read_text()
+    assert f"| {fmt_ms(row['ms_median'])}, fail |" in readme.read_text()
     ddpm = next(line for line in page.splitlines() if line.startswith("| `ddpm250.shipped`"))
     assert "not gated (as above)" in ddpm  # the reason stands in the first not-gated cell
     first = next(line for line in page.splitlines() if "| not gated (" in line and "as above" not in line)
