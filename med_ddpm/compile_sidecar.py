@@ -77,6 +77,10 @@ class Sidecar:
     def ready(self) -> bool:
         return self.proc.poll() == 0 and self.cache.path.exists()
 
+    def running(self) -> bool:
+        """Still compiling: it shares the GPU with the job, whose eager calls it slows."""
+        return self.proc.poll() is None
+
 
 def start(spec: dict[str, Any], cache: CompileCache, module: str = "med_ddpm.compile_sidecar") -> Sidecar:
     """Start ``python -m module SPEC`` (the sidecar) on ``spec`` (:func:`run`'s keys), its output in

@@ -268,11 +268,11 @@ def compile_cache(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, device: t
 
 def warm_up(job: SamplingJob, model: torch.nn.Module) -> bool:
     """One network call on zeros laid out as the first mask's input, where the stack's first call is slow (a compile
-    recipe: loading or compiling the forward, cuDNN autotuning, CUDA-graph capture), so that it runs while the
-    masks' worker still reads the first mask. Skipped (False) without a fixed size: an original checkpoint samples
-    each mask at its own."""
+    recipe: loading or compiling the forward; on a GPU any stack: lazy kernel loading, cuDNN autotuning, CUDA-graph
+    capture), so that it runs while the masks' worker still reads the first mask. Skipped (False) without a fixed
+    size: an original checkpoint samples each mask at its own."""
     size = job.geometry[1]
-    if not job.model_stack.slow_first_call or size is None:
+    if not (job.model_stack.slow_first_call or job.device.type == "cuda") or size is None:
         return False
     compile_sidecar.first_call_on_zeros(model, job.stack, job.loaded.model, job.cfg.num_samples, size, job.device)
     return True
@@ -305,7 +305,7 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
     clock.mark("model_ready")
     if warm_up(job, model):
         clock.mark("warmed_up")
-    volume_s, calls = [], len(job.sampler.timesteps)
+    volume_s, alone, calls = [], [], len(job.sampler.timesteps)
     for index, name, cond, nifti in job.masks:
         if (faster := switched(job, model, len(volume_s) * calls)) is not None:
             model = faster
@@ -313,12 +313,13 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
             log.info("the sidecar's compile is in the cache: the masks from %d on sample compiled", len(volume_s))
         if not volume_s:
             clock.mark("first_mask_ready")  # the first mask in hand: read by a worker since the checkpoint loaded
-        start = time.perf_counter()
+        start, beside = time.perf_counter(), sidecar_running(job)
         c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
         generator = distributed.keyed_generator(job.device, cfg.seed, index)
         x0 = sample(model, job.sampler, c, generator=generator, progress=cfg.progress and distributed.is_main(),
                     forward_context=job.stack.forward_context, out_channels=job.loaded.model.out_channels).cpu()
         volume_s.append(time.perf_counter() - start)
+        alone.append(not (beside or sidecar_running(job)))
         if len(volume_s) == 1:
             clock.mark("first_volume_done")
             clock.set(image_size=list(cond.shape[1:]), precompiled=precompiled_report(model))
@@ -328,21 +329,31 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
             suffix = f"_{k}" if cfg.num_samples > 1 else ""
             writer.submit(write_outputs, x0[k], cond, name + suffix, nifti, job.out_dir, resize_mode)
     clock.mark("sampling_done")
-    record_costs(job, clock, volume_s, calls)
+    clock.set(masks_beside_compile=alone.count(False))
+    record_costs(job, clock, volume_s, alone, calls)
     return volume_s
 
 
-def record_costs(job: SamplingJob, clock: RunClock, volume_s: list[float], calls: int) -> None:
+def sidecar_running(job: SamplingJob) -> bool:
+    return job.sidecar is not None and job.sidecar.running()
+
+
+def record_costs(job: SamplingJob, clock: RunClock, volume_s: list[float], alone: list[bool], calls: int) -> None:
     """Keep what this run measured beside the cache, for the next job's plan: seconds per call of the stack it ran
-    (the later masks' median, when no switch mixed two stacks) and its first compiled call's."""
+    (the median of the later masks sampled while no sidecar compiled, when no switch mixed two stacks) and its
+    first call's (the warm-up's, when it ran alone)."""
     if job.cache is None or not distributed.is_main():
         return
-    first = "load_s" if job.cache.status == "warm" else "compile_s"
-    per_call = statistics.median(volume_s[1:]) / calls if len(volume_s) > 1 and calls else None
-    kind = "compiled_call_s" if job.plan.stack == "compiled" else "eager_call_s"
+    compiled = job.plan.stack == "compiled"
+    later = [s for s, quiet in zip(volume_s[1:], alone[1:], strict=True) if quiet]
+    per_call = statistics.median(later) / calls if later and calls else None
+    first = ("load_s" if job.cache.status == "warm" else "compile_s") if compiled else "eager_first_s"
+    warmed = "warmed_up_s" in clock.values and (compiled or not job.plan.sidecar)
     warm_up_s = clock.values.get("warmed_up_s", 0.0) - clock.values.get("model_ready_s", 0.0)
-    sample_plan.record(job.cache.plan_path, **{kind: None if "switched_at_mask" in clock.values else per_call},
-                       **({first: warm_up_s} if job.plan.stack == "compiled" and "warmed_up_s" in clock.values else {}))
+    sample_plan.record(job.cache.plan_path,
+                       **{"compiled_call_s" if compiled else "eager_call_s":
+                          None if "switched_at_mask" in clock.values else per_call},
+                       **({first: warm_up_s} if warmed else {}))
 
 
 def run(cfg: DictConfig) -> list[Path]:

@@ -5,16 +5,19 @@ call pays: about 40 s on a cold cache (inductor, Triton, the ``.aot`` file), a f
 file's load, cuDNN autotuning, CUDA-graph capture). A 4-mask job on a cold cache saves about a second per mask
 by compiling and spends 40 s doing it. So with ``compile=auto`` the command estimates both and picks the cheaper:
 
-* warm cache: compiled when ``load + calls x compiled`` beats ``calls x eager``;
-* cold cache: compiled in this process when ``compile + calls x compiled`` beats ``calls x eager``; otherwise
-  eager, and a separate process (``med_ddpm.compile_sidecar``) compiles into the cache meanwhile, so the next
-  job finds it warm. When that process is done, the job switches to the compiled stack at the next mask only if
-  the calls left repay the load: ``left x (eager - compiled) > load`` (:func:`switch_pays`).
+* warm cache: compiled when ``load + calls x compiled`` beats ``eager first + calls x eager``;
+* cold cache: compiled in this process when ``compile + calls x compiled`` beats ``eager first + calls x eager``;
+  otherwise eager, and a separate process (``med_ddpm.compile_sidecar``) compiles into the cache meanwhile, so the
+  next job finds it warm. When that process is done, the job switches to the compiled stack at the next mask only
+  if the calls left repay the load: ``left x (eager - compiled) > load`` (:func:`switch_pays`).
 
 ``compile=always`` compiles in this process (a cold cache: the first call compiles); ``compile=never`` runs the
-stack without its compile recipes. The facts are :class:`Known` values with where each came from: ``measured``
-(this machine, recorded beside the cache by an earlier run, :func:`record`), ``row`` (a committed benchmark row's
-figure) or ``guess`` (no row of this stack: an estimate, said so in the log).
+stack without its compile recipes. Either stack's first call costs more than a later one (eager: lazy kernel
+loading and cuDNN's autotuning; compiled: the compile or the load), hence a first-call cost on each side. The facts
+are :class:`Known` values with where each came from: ``measured`` (this machine, recorded beside the cache by an
+earlier run, :func:`record`; an eager time a call only from masks sampled while no sidecar compiled, since the
+compile shares the GPU), ``row`` (a committed benchmark row's figure) or ``guess`` (no row of this stack: an
+estimate, said so in the log).
 
 This module is pure (no torch, no files but the record's): tests cover each choice on the CPU.
 """
@@ -57,6 +60,9 @@ DEFAULTS = dict(
     # no row times the shipped stack without compile; the nearest, amp_bf16+fused_groupnorm+sdpa_attention+
     # cudnn_benchmark on the H200 (bench/results/h200), took 32.5 ms
     eager_call_s=Known(0.0325, "guess"),
+    # e2e.sample4_cold on the H100 (1dae997): its eager first mask took 13.96 s, each later one 5.49 s, both beside
+    # the sidecar's compile
+    eager_first_s=Known(8.47, "row"),
     # e2e.sample4_cold on the H100 (90877a2): the warm-up call that builds the .aot file took 39.9 s
     compile_s=Known(39.9, "row"),
     # e2e.sample4_warm on the H100 (90877a2): the warm-up call that loads it took 3.5 s
@@ -66,11 +72,12 @@ DEFAULTS = dict(
 
 @dataclass(frozen=True)
 class Facts:
-    """What the plan is made from: the cache's state, the job's network calls and the four costs."""
+    """What the plan is made from: the cache's state, the job's network calls and the five costs."""
 
     cache: str  # warm | cold | off (the stack compiles nothing, or paths.compile_cache=null)
     calls: int  # network calls this process makes: masks x calls per volume (num_samples are one batch)
     eager_call_s: Known
+    eager_first_s: Known  # the eager stack's first call: lazy kernel loading, cuDNN autotuning
     compiled_call_s: Known
     compile_s: Known  # a cold cache: the first compiled call (build and save)
     load_s: Known  # a warm cache: the first compiled call (load, autotune, capture)
@@ -114,10 +121,11 @@ def plan_job(mode: str, facts: Facts) -> Plan:
         return Plan("eager", False, "compile=never")
     if mode == "always":
         return Plan("compiled", False, "compile=always")
-    eager = facts.calls * facts.eager_call_s.s
+    eager = facts.eager_first_s.s + facts.calls * facts.eager_call_s.s
     first = facts.load_s if facts.cache == "warm" else facts.compile_s
     compiled = first.s + facts.calls * facts.compiled_call_s.s
-    sums = (f"{facts.calls} calls: eager {eager:.1f} s at {facts.eager_call_s} a call; compiled {compiled:.1f} s, "
+    sums = (f"{facts.calls} calls: eager {eager:.1f} s, first call {facts.eager_first_s} + {facts.eager_call_s} a "
+            f"call; compiled {compiled:.1f} s, "
             f"{'load' if facts.cache == 'warm' else 'compile'} {first} + {facts.compiled_call_s} a call")
     known = {k: asdict(v) if isinstance(v, Known) else v for k, v in asdict(facts).items()}
     if facts.compiling:
@@ -134,7 +142,7 @@ def switch_pays(facts: Facts, calls_left: int) -> bool:
 
 
 def known_facts(path: Path | None, voxels: int | None) -> dict[str, Known]:
-    """The four costs: measured on this machine where ``path`` (:func:`record`) has them, else :data:`DEFAULTS`
+    """The five costs: measured on this machine where ``path`` (:func:`record`) has them, else :data:`DEFAULTS`
     (per-call ones scaled to ``voxels`` per call; None: each mask samples at its own size)."""
     factor = None if voxels is None else voxels / REFERENCE_VOXELS
     known = {k: v.scaled(factor) if k.endswith("call_s") else v for k, v in DEFAULTS.items()}

@@ -30,7 +30,7 @@ def facts(cache: str = "cold", masks: int = 4, calls: int = 100, **changes) -> F
     ("auto", "cold", 4, 100, "eager", True),  # 40 s of compiling to save about 1.2 s a mask
     ("auto", "cold", 64, 100, "compiled", False),  # 64 masks repay the compile within the job
     ("auto", "warm", 4, 100, "compiled", False),  # the load repays over 400 calls
-    ("auto", "warm", 1, 25, "eager", False),  # not over 25
+    ("auto", "warm", 1, 25, "compiled", False),  # the eager first call's autotuning costs more than the load
     ("auto", "off", 4, 100, "eager", False),  # no cache to warm for the next job: no sidecar
     ("always", "cold", 1, 25, "compiled", False),
     ("never", "warm", 64, 100, "eager", False),
@@ -40,6 +40,15 @@ def test_the_plan_takes_the_cheaper_stack_and_compiles_for_the_next_job_only_on_
     plan = plan_job(mode, facts(cache, masks, calls))
     assert (plan.stack, plan.sidecar) == (stack, sidecar), plan.line()
     assert "\n" not in plan.line() and plan.line().startswith(f"plan: {stack}")
+
+
+def test_the_eager_first_call_is_priced_and_a_cheap_one_makes_a_short_warm_job_eager(tmp_path):
+    path = tmp_path / "k.plan.json"
+    sample_plan.record(path, eager_first_s=0.5, eager_call_s=0.03)
+    quick = sample_plan.facts_from(sample_plan.known_facts(path, VOLUME), "warm", 25, True, False)
+    plan = plan_job("auto", quick)
+    assert plan.stack == "eager" and plan.eager_s == pytest.approx(0.5 + 25 * 0.03)
+    assert "first call 0.5 s [measured] + 0.03 s [measured] a call" in plan.line()
 
 
 def test_the_plan_starts_no_second_compile_and_compiles_nothing_without_a_compile_recipe():
@@ -87,11 +96,14 @@ def test_measured_costs_replace_the_defaults_and_other_sizes_are_guesses(tmp_pat
 
 # ------------------------------------------------------------------------------------------------ the wiring
 class FakeSidecar:
-    def __init__(self, ready: bool) -> None:
-        self._ready = ready
+    def __init__(self, ready: bool, running: bool = False) -> None:
+        self._ready, self._running = ready, running
 
     def ready(self) -> bool:
         return self._ready
+
+    def running(self) -> bool:
+        return self._running
 
 
 def job_with(tmp_path: Path, plan: sample_plan.Plan, sidecar=None, calls: int = 400):
@@ -125,6 +137,41 @@ def test_the_job_switches_to_the_sidecar_s_compile_once_it_is_ready_and_only_if_
     eager_forward = net.forward
     compiled = switched(job, net, 0)
     assert compiled is net and net.forward != eager_forward and job.sidecar is None  # compiled in place, once
+
+
+@pytest.mark.parametrize(("stack", "sidecar", "alone", "recorded"), [
+    ("eager", None, [True, True, True], {"eager_call_s": 0.375, "eager_first_s": 2.0}),  # median 1.5 s / 4
+    ("eager", "running", [True, False, True], {"eager_call_s": 0.25}),  # the masks beside the compile are not
+    ("eager", "running", [False, False, False], {}),  # one beside the compile times the compile's load too
+    ("compiled", None, [True, True, True], {"compiled_call_s": 0.375, "compile_s": 2.0}),
+])
+def test_the_job_keeps_only_what_it_measured_without_a_compile_beside_it(tmp_path, stack, sidecar, alone, recorded):
+    from med_ddpm.run_clock import RunClock
+    from med_ddpm.sample import record_costs
+
+    started = FakeSidecar(False, running=True) if sidecar else None
+    plan = sample_plan.Plan(stack, sidecar is not None, "test")
+    job = job_with(tmp_path, plan, started, calls=4)
+    clock = RunClock("sample")
+    clock.set(model_ready_s=1.0, warmed_up_s=3.0)
+    record_costs(job, clock, [9.0, 2.0, 1.0], alone, 4)
+    kept = sample_plan.known_facts(job.cache.plan_path, VOLUME)
+    assert {k: v.s for k, v in kept.items() if v.source == "measured"} == recorded
+
+
+@pytest.mark.parametrize(("stack", "device", "warms"), [
+    ("eager", "cpu", False), ("compiled", "cpu", True), ("eager", "cuda", True), ("compiled", "cuda", True)])
+def test_the_first_call_runs_on_zeros_beside_the_first_mask_s_read_where_it_is_slow(tmp_path, monkeypatch, stack,
+                                                                                     device, warms):
+    """On a GPU any stack's first call loads kernels and autotunes: it warms up while the first mask is read."""
+    from med_ddpm.sample import warm_up
+
+    calls = []
+    monkeypatch.setattr(compile_sidecar, "first_call_on_zeros", lambda *args: calls.append(args))
+    job = job_with(tmp_path, sample_plan.Plan(stack, False, "test"))
+    job.device = torch.device(device)
+    job.loaded, job.cfg = type("Loaded", (), {"model": None})(), OmegaConf.create({"num_samples": 1})
+    assert warm_up(job, torch.nn.Identity()) is warms and len(calls) == warms
 
 
 STANDIN = """
@@ -201,7 +248,9 @@ def test_a_small_job_on_a_cold_cache_samples_eagerly_while_its_sidecar_fills_the
     log = cache.path.with_suffix(".sidecar.log")
     assert cache.path.exists() and not compile_sidecar.marker(cache).exists(), log.read_text()
     known = sample_plan.known_facts(cache.plan_path, 1)
-    assert known["compile_s"].source == known["eager_call_s"].source == "measured"
+    alone = json.loads((tmp_path / "out" / "timings.json").read_text())["masks_beside_compile"] == 0
+    assert known["compile_s"].source == "measured"
+    assert known["eager_call_s"].source == ("measured" if alone else "guess")  # a time beside the compile: not kept
 
 
 def test_the_sidecar_s_spec_is_what_the_job_s_cache_key_is_built_from():
