@@ -1,9 +1,10 @@
-"""Compile a sampling job's stack into its compile cache in another process, while the job samples eagerly.
+"""Compile a sampling job's stack into its compile cache in another process, for the next job.
 
 ``med_ddpm.sample`` with ``compile=auto`` on a cold cache samples a small job without its compile recipe
-(:mod:`med_ddpm.sample_plan`) and starts ``python -m med_ddpm.compile_sidecar SPEC.json``: it loads the same
-checkpoint, builds the same stack for the same workload, makes the stack's first call on zeros (the compile) and
-saves the cache, so the next job finds it warm. The job may switch to it when it is done (:class:`Sidecar`).
+(:mod:`med_ddpm.sample_plan`) and starts ``python -m med_ddpm.compile_sidecar SPEC.json``: with the job when the
+job may switch to its compile (:class:`Sidecar`), else when the job's sampling ends. It loads the same checkpoint,
+builds the same stack for the same workload, makes the stack's first call on zeros (the compile) and saves the
+cache, so the next job finds it warm.
 
 Killed half-way, it leaves no half-written entry: the cache file, its ``.aot`` file and the plan's record are each
 written to a temporary file and renamed. While it runs, ``<cache>.compiling`` holds its pid, so another job does
@@ -101,7 +102,10 @@ def spec_of(checkpoint: str, weights: str, recipe: Any, num_samples: int, size: 
 
 
 def run(spec: dict[str, Any]) -> Path | None:
-    """Build the job's compiled stack, call it once on zeros and save the cache; returns the saved file."""
+    """Build the job's compiled stack, call it once on zeros and save the cache; returns the saved file. It runs at
+    niceness 10 (inductor's compile workers inherit it), so that a job sampling beside it keeps the CPU it needs to
+    launch its kernels."""
+    os.nice(10)
     device = torch.device(spec["device"])
     net = load_checkpoint(spec["checkpoint"], weights=spec["weights"]).model.to(device)
     stack = RecipeStack.from_config(spec["recipe"])

@@ -240,12 +240,20 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     job = SamplingJob(cfg, device, loaded, sampler, stack, geometry,
                       Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
                       masks, plan, facts)
-    if plan.sidecar and distributed.is_main():
-        job.sidecar = compile_sidecar.start(compile_sidecar.spec_of(
-            cfg.checkpoint, cfg.weights, OmegaConf.to_container(cfg.recipe, resolve=True), cfg.num_samples,
-            geometry[1], device, cfg.paths.compile_cache), cache)
+    start_sidecar(job, sample_plan.NOW)
     clock.mark("recipes_ready")
     return job
+
+
+def start_sidecar(job: SamplingJob, when: str) -> None:
+    """Start the plan's sidecar compile (:mod:`med_ddpm.compile_sidecar`) on the main rank, if it starts ``when``
+    (:data:`~med_ddpm.sample_plan.NOW`, :data:`~med_ddpm.sample_plan.AFTER`)."""
+    if job.plan.sidecar != when or not distributed.is_main():
+        return
+    cfg = job.cfg
+    job.sidecar = compile_sidecar.start(compile_sidecar.spec_of(
+        cfg.checkpoint, cfg.weights, OmegaConf.to_container(cfg.recipe, resolve=True), cfg.num_samples,
+        job.geometry[1], job.device, cfg.paths.compile_cache), job.cache)
 
 
 def job_facts(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, cache: CompileCache | None, calls: int,
@@ -331,6 +339,7 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> l
     clock.mark("sampling_done")
     clock.set(masks_beside_compile=alone.count(False))
     record_costs(job, clock, volume_s, alone, calls)
+    start_sidecar(job, sample_plan.AFTER)  # after the record: the sidecar adds its compile seconds to it
     return volume_s
 
 
@@ -348,7 +357,7 @@ def record_costs(job: SamplingJob, clock: RunClock, volume_s: list[float], alone
     later = [s for s, quiet in zip(volume_s[1:], alone[1:], strict=True) if quiet]
     per_call = statistics.median(later) / calls if later and calls else None
     first = ("load_s" if job.cache.status == "warm" else "compile_s") if compiled else "eager_first_s"
-    warmed = "warmed_up_s" in clock.values and (compiled or not job.plan.sidecar)
+    warmed = "warmed_up_s" in clock.values and (compiled or job.plan.sidecar != sample_plan.NOW)
     warm_up_s = clock.values.get("warmed_up_s", 0.0) - clock.values.get("model_ready_s", 0.0)
     sample_plan.record(job.cache.plan_path,
                        **{"compiled_call_s" if compiled else "eager_call_s":

@@ -7,9 +7,11 @@ by compiling and spends 40 s doing it. So with ``compile=auto`` the command esti
 
 * warm cache: compiled when ``load + calls x compiled`` beats ``eager first + calls x eager``;
 * cold cache: compiled in this process when ``compile + calls x compiled`` beats ``eager first + calls x eager``;
-  otherwise eager, and a separate process (``med_ddpm.compile_sidecar``) compiles into the cache meanwhile, so the
-  next job finds it warm. When that process is done, the job switches to the compiled stack at the next mask only
-  if the calls left repay the load: ``left x (eager - compiled) > load`` (:func:`switch_pays`).
+  otherwise eager, and a separate process (``med_ddpm.compile_sidecar``) compiles into the cache, so the next job
+  finds it warm. It starts with the job when its compile would end while switching to it still pays; the job then
+  switches to the compiled stack at the next mask once the calls left repay the load:
+  ``left x (eager - compiled) > load`` (:func:`switch_pays`). Otherwise it starts when the job's sampling ends
+  (:func:`sidecar_start`), so that it does not share the GPU and the CPU with the job's calls.
 
 ``compile=always`` compiles in this process (a cold cache: the first call compiles); ``compile=never`` runs the
 stack without its compile recipes. Either stack's first call costs more than a later one (eager: lazy kernel
@@ -34,6 +36,7 @@ from typing import Any
 from med_ddpm.utils import atomic_write_text
 
 MODES = ("auto", "always", "never")
+NOW, AFTER = "now", "after"  # a sidecar starts with the job, or when the job's sampling ends
 REFERENCE_VOXELS = 128 ** 3  # the defaults' workload: one 128^3 whole-head volume per call
 
 
@@ -87,10 +90,11 @@ class Facts:
 
 @dataclass(frozen=True)
 class Plan:
-    """The stack a job runs (``compiled`` or ``eager``), whether it starts a sidecar compile, and why."""
+    """The stack a job runs (``compiled`` or ``eager``), when it starts a sidecar compile (:data:`NOW`,
+    :data:`AFTER`; empty: none), and why."""
 
     stack: str
-    sidecar: bool
+    sidecar: str
     reason: str
     eager_s: float | None = None
     compiled_s: float | None = None
@@ -98,7 +102,8 @@ class Plan:
 
     def line(self) -> str:
         """The log's one line."""
-        then = "; compiling for the next job in another process" if self.sidecar else ""
+        then = {NOW: "; compiling for the next job in another process from the start",
+                AFTER: "; compiling for the next job in another process once sampling ends"}.get(self.sidecar, "")
         return f"plan: {self.stack}{then} ({self.reason})"
 
     def record(self) -> dict[str, Any]:
@@ -116,11 +121,11 @@ def check_mode(mode: Any) -> str:
 def plan_job(mode: str, facts: Facts) -> Plan:
     """The cheaper of eager and compiled for ``facts`` under ``compile=mode`` (:data:`MODES`)."""
     if not facts.compiles:
-        return Plan("eager", False, "the stack has no compile recipe")
+        return Plan("eager", "", "the stack has no compile recipe")
     if mode == "never":
-        return Plan("eager", False, "compile=never")
+        return Plan("eager", "", "compile=never")
     if mode == "always":
-        return Plan("compiled", False, "compile=always")
+        return Plan("compiled", "", "compile=always")
     eager = facts.eager_first_s.s + facts.calls * facts.eager_call_s.s
     first = facts.load_s if facts.cache == "warm" else facts.compile_s
     compiled = first.s + facts.calls * facts.compiled_call_s.s
@@ -129,16 +134,24 @@ def plan_job(mode: str, facts: Facts) -> Plan:
             f"{'load' if facts.cache == 'warm' else 'compile'} {first} + {facts.compiled_call_s} a call")
     known = {k: asdict(v) if isinstance(v, Known) else v for k, v in asdict(facts).items()}
     if facts.compiling:
-        return Plan("eager", False, f"another process is compiling this cache now; {sums}", eager, compiled, known)
+        return Plan("eager", "", f"another process is compiling this cache now; {sums}", eager, compiled, known)
     if compiled < eager:
-        return Plan("compiled", False, f"{facts.cache} cache, compiling pays; {sums}", eager, compiled, known)
-    sidecar = facts.cache == "cold"
+        return Plan("compiled", "", f"{facts.cache} cache, compiling pays; {sums}", eager, compiled, known)
+    sidecar = sidecar_start(facts) if facts.cache == "cold" else ""
     return Plan("eager", sidecar, f"{facts.cache} cache, compiling does not pay; {sums}", eager, compiled, known)
 
 
 def switch_pays(facts: Facts, calls_left: int) -> bool:
     """With a compile just finished elsewhere: loading it now repays its load over the calls left."""
     return calls_left * (facts.eager_call_s.s - facts.compiled_call_s.s) > facts.load_s.s
+
+
+def sidecar_start(facts: Facts) -> str:
+    """:data:`NOW` when a compile started with the job ends while switching to it still pays, else :data:`AFTER`.
+    The calls made meanwhile are counted at the eager time a call measured alone; beside the compile they run
+    slower, so fewer are made and more are left: the count leans to :data:`AFTER`."""
+    made = max(0.0, facts.compile_s.s - facts.eager_first_s.s) / facts.eager_call_s.s
+    return NOW if switch_pays(facts, facts.calls - math.ceil(made)) else AFTER
 
 
 def known_facts(path: Path | None, voxels: int | None) -> dict[str, Known]:

@@ -208,7 +208,10 @@ class Run:
         plan = (self.ok(job) or {}).get("plan") or {}
         if not plan:
             return ""
-        return plan["stack"] + (", compiling for the next job in another process" if plan.get("sidecar") else "")
+        then = {"now": ", compiling for the next job in another process",
+                "after": ", compiling for the next job in another process once sampling ends"}
+        when = "now" if plan.get("sidecar") is True else plan.get("sidecar")  # true: a row that started it with the job
+        return plan["stack"] + then.get(when, "")
 
     def variant(self, job: str) -> str:
         """`` (`fast_train_fp16`)`` when the GPU ran the job as its experiment's fp16 variant (the ladder's ``variant``

@@ -3,10 +3,12 @@ the sidecar's process (a kill leaves no cache entry)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,13 +29,14 @@ def facts(cache: str = "cold", masks: int = 4, calls: int = 100, **changes) -> F
 
 
 @pytest.mark.parametrize(("mode", "cache", "masks", "calls", "stack", "sidecar"), [
-    ("auto", "cold", 4, 100, "eager", True),  # 40 s of compiling to save about 1.2 s a mask
-    ("auto", "cold", 64, 100, "compiled", False),  # 64 masks repay the compile within the job
-    ("auto", "warm", 4, 100, "compiled", False),  # the load repays over 400 calls
-    ("auto", "warm", 1, 25, "compiled", False),  # the eager first call's autotuning costs more than the load
-    ("auto", "off", 4, 100, "eager", False),  # no cache to warm for the next job: no sidecar
-    ("always", "cold", 1, 25, "compiled", False),
-    ("never", "warm", 64, 100, "eager", False),
+    ("auto", "cold", 4, 100, "eager", "after"),  # 40 s of compiling to save about 1.2 s a mask, done after the job
+    ("auto", "cold", 16, 100, "eager", "now"),  # the job switches to the compile for its last masks
+    ("auto", "cold", 64, 100, "compiled", ""),  # 64 masks repay the compile within the job
+    ("auto", "warm", 4, 100, "compiled", ""),  # the load repays over 400 calls
+    ("auto", "warm", 1, 25, "compiled", ""),  # the eager first call's autotuning costs more than the load
+    ("auto", "off", 4, 100, "eager", ""),  # no cache to warm for the next job: no sidecar
+    ("always", "cold", 1, 25, "compiled", ""),
+    ("never", "warm", 64, 100, "eager", ""),
 ])
 def test_the_plan_takes_the_cheaper_stack_and_compiles_for_the_next_job_only_on_a_cold_cache(
         mode, cache, masks, calls, stack, sidecar):
@@ -53,7 +56,7 @@ def test_the_eager_first_call_is_priced_and_a_cheap_one_makes_a_short_warm_job_e
 
 def test_the_plan_starts_no_second_compile_and_compiles_nothing_without_a_compile_recipe():
     assert (plan_job("auto", facts(compiling=True)).stack, plan_job("auto", facts(compiling=True)).sidecar) == (
-        "eager", False)
+        "eager", "")
     assert plan_job("always", facts(compiles=False)).stack == "eager"
 
 
@@ -64,7 +67,7 @@ def test_the_log_line_says_which_figures_are_guesses():
 
 def test_the_record_is_what_timings_json_carries():
     record = plan_job("auto", facts("cold")).record()
-    assert record["stack"] == "eager" and record["sidecar"] and record["eager_s"] < record["compiled_s"]
+    assert record["stack"] == "eager" and record["sidecar"] == "after" and record["eager_s"] < record["compiled_s"]
     assert record["facts"]["eager_call_s"] == {"s": DEFAULTS["eager_call_s"].s, "source": "guess"}
 
 
@@ -73,6 +76,30 @@ def test_switching_pays_only_while_the_calls_left_repay_the_load():
     per_call = f.eager_call_s.s - f.compiled_call_s.s
     calls = int(f.load_s.s / per_call)
     assert switch_pays(f, calls + 1) and not switch_pays(f, calls)
+
+
+def test_a_sidecar_starts_with_the_job_only_if_its_compile_ends_while_switching_still_pays():
+    f = facts("cold")
+    made = math.ceil((f.compile_s.s - f.eager_first_s.s) / f.eager_call_s.s)  # eager calls while it compiles
+    repaid = int(f.load_s.s / (f.eager_call_s.s - f.compiled_call_s.s))  # calls left that repay the load
+    assert sample_plan.sidecar_start(replace(f, calls=made + repaid + 1)) == sample_plan.NOW
+    assert sample_plan.sidecar_start(replace(f, calls=made + repaid)) == sample_plan.AFTER
+    slow = replace(f, compile_s=Known(1e4, "measured"))  # a compile no job of these calls outlasts
+    assert sample_plan.sidecar_start(replace(slow, calls=made + repaid + 1)) == sample_plan.AFTER
+
+
+def test_the_job_starts_its_sidecar_when_the_plan_says(tmp_path, monkeypatch):
+    from med_ddpm.sample import start_sidecar
+
+    started = []
+    monkeypatch.setattr(compile_sidecar, "start", lambda spec, cache: started.append(spec) or FakeSidecar(False))
+    job = job_with(tmp_path, sample_plan.Plan("eager", sample_plan.AFTER, "test"))
+    job.cfg = OmegaConf.create({"checkpoint": "c.pt", "weights": "ema", "recipe": {"compile": {}}, "num_samples": 1,
+                                "paths": {"compile_cache": str(tmp_path)}})
+    start_sidecar(job, sample_plan.NOW)
+    assert not started and job.sidecar is None  # not with the job
+    start_sidecar(job, sample_plan.AFTER)
+    assert [s["size"] for s in started] == [[8, 8, 8]] and job.sidecar is not None
 
 
 def test_an_unknown_compile_mode_is_one_line():
@@ -150,7 +177,7 @@ def test_the_job_keeps_only_what_it_measured_without_a_compile_beside_it(tmp_pat
     from med_ddpm.sample import record_costs
 
     started = FakeSidecar(False, running=True) if sidecar else None
-    plan = sample_plan.Plan(stack, sidecar is not None, "test")
+    plan = sample_plan.Plan(stack, sample_plan.NOW if sidecar else "", "test")
     job = job_with(tmp_path, plan, started, calls=4)
     clock = RunClock("sample")
     clock.set(model_ready_s=1.0, warmed_up_s=3.0)
@@ -168,7 +195,7 @@ def test_the_first_call_runs_on_zeros_beside_the_first_mask_s_read_where_it_is_s
 
     calls = []
     monkeypatch.setattr(compile_sidecar, "first_call_on_zeros", lambda *args: calls.append(args))
-    job = job_with(tmp_path, sample_plan.Plan(stack, False, "test"))
+    job = job_with(tmp_path, sample_plan.Plan(stack, "", "test"))
     job.device = torch.device(device)
     job.loaded, job.cfg = type("Loaded", (), {"model": None})(), OmegaConf.create({"num_samples": 1})
     assert warm_up(job, torch.nn.Identity()) is warms and len(calls) == warms
@@ -176,6 +203,7 @@ def test_the_first_call_runs_on_zeros_beside_the_first_mask_s_read_where_it_is_s
 
 STANDIN = """
 import json, sys, time
+from dataclasses import replace
 from pathlib import Path
 from med_ddpm.utils import atomic_write
 spec = json.loads(Path(sys.argv[1]).read_text())
@@ -212,10 +240,10 @@ def test_a_sidecar_killed_while_it_writes_leaves_no_cache_entry_and_no_live_mark
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_small_job_on_a_cold_cache_samples_eagerly_while_its_sidecar_fills_the_cache(tmp_path):
+def test_a_small_job_on_a_cold_cache_samples_eagerly_and_its_sidecar_then_fills_the_cache(tmp_path):
     """The sampling command with ``compile=auto`` and the ``compile`` recipe (CPU inductor: slow) on a tiny model: it
-    samples without compiling, says so in timings.json, and its sidecar saves the file a later job's cache names,
-    records its compile seconds and removes its marker."""
+    samples without compiling, says so in timings.json, and its sidecar, started when sampling ends, saves the file a
+    later job's cache names, records its compile seconds beside the job's eager ones and removes its marker."""
     import json
     import subprocess
 
@@ -237,7 +265,7 @@ def test_a_small_job_on_a_cold_cache_samples_eagerly_while_its_sidecar_fills_the
                     "compile=auto", f"paths.compile_cache={cache_root}", "sampler=ddim", "sampler.steps=2",
                     "device=cpu", "progress=false", f"output_dir={tmp_path / 'out'}"], check=True, timeout=900)
     plan = json.loads((tmp_path / "out" / "timings.json").read_text())["plan"]
-    assert plan["stack"] == "eager" and plan["sidecar"] and "compiling does not pay" in plan["reason"]
+    assert plan["stack"] == "eager" and plan["sidecar"] == "after" and "compiling does not pay" in plan["reason"]
     size = list(model_cfg["image_size"])
     recipe = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "recipe" / "compile.yaml"), resolve=True)
     cache = CompileCache.for_run(cache_root, "sample", RecipeStack.from_config(recipe),
@@ -248,9 +276,8 @@ def test_a_small_job_on_a_cold_cache_samples_eagerly_while_its_sidecar_fills_the
     log = cache.path.with_suffix(".sidecar.log")
     assert cache.path.exists() and not compile_sidecar.marker(cache).exists(), log.read_text()
     known = sample_plan.known_facts(cache.plan_path, 1)
-    alone = json.loads((tmp_path / "out" / "timings.json").read_text())["masks_beside_compile"] == 0
-    assert known["compile_s"].source == "measured"
-    assert known["eager_call_s"].source == ("measured" if alone else "guess")  # a time beside the compile: not kept
+    assert json.loads((tmp_path / "out" / "timings.json").read_text())["masks_beside_compile"] == 0  # started after
+    assert known["compile_s"].source == known["eager_call_s"].source == "measured"
 
 
 def test_the_sidecar_s_spec_is_what_the_job_s_cache_key_is_built_from():
