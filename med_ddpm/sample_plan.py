@@ -2,8 +2,8 @@
 
 A compiled stack runs each network call faster than the same stack without its compile recipe, but its first
 call pays: about 40 s on a cold cache (inductor, Triton, the ``.aot`` file), a few seconds on a warm one (the
-file's load, cuDNN autotuning, CUDA-graph capture). A 4-mask job on a cold cache saves about a second per mask
-by compiling and spends 40 s doing it. So with ``compile=auto`` the command estimates both and picks the cheaper:
+file's load, cuDNN autotuning, CUDA-graph capture). A 4-mask job on a cold cache would save about 3.4 s a mask
+by compiling and spend 40 s doing it. So with ``compile=auto`` the command estimates both and picks the cheaper:
 
 * warm cache: compiled when ``load + calls x compiled`` beats ``eager first + calls x eager``;
 * cold cache: compiled in this process when ``compile + calls x compiled`` beats ``eager first + calls x eager``;
@@ -60,12 +60,11 @@ class Known:
 DEFAULTS = dict(
     # forward.shipped on the H100 (bench/results/h100/results.jsonl, 2046e9f): 20.26 ms a call
     compiled_call_s=Known(0.0203, "row"),
-    # no row times the shipped stack without compile; the nearest, amp_bf16+fused_groupnorm+sdpa_attention+
-    # cudnn_benchmark on the H200 (bench/results/h200), took 32.5 ms
-    eager_call_s=Known(0.0325, "guess"),
-    # e2e.sample4_cold on the H100 (1dae997): its eager first mask took 13.96 s, each later one 5.49 s, both beside
-    # the sidecar's compile
-    eager_first_s=Known(8.47, "row"),
+    # e2e.sample4_cold on the H100 (79f1efd): the shipped stack without compile sampled 5.4316 s a volume of 100
+    # calls, alone (its sidecar compiled after it)
+    eager_call_s=Known(0.0543, "row"),
+    # the same row: that stack's warm-up call on zeros (lazy kernel loading, cuDNN autotuning) took 10.50 s
+    eager_first_s=Known(10.50, "row"),
     # e2e.sample4_cold on the H100 (90877a2): the warm-up call that builds the .aot file took 39.9 s
     compile_s=Known(39.9, "row"),
     # e2e.sample4_warm on the H100 (90877a2): the warm-up call that loads it took 3.5 s
