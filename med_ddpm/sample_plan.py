@@ -37,6 +37,8 @@ from med_ddpm.utils import atomic_write_text
 
 MODES = ("auto", "always", "never")
 NOW, AFTER = "now", "after"  # a sidecar starts with the job, or when the job's sampling ends
+SIDECAR_SAYS = {NOW: "compiling for the next job in another process from the start",
+                AFTER: "compiling for the next job in another process once sampling ends"}
 REFERENCE_VOXELS = 128 ** 3  # the defaults' workload: one 128^3 whole-head volume per call
 
 
@@ -101,8 +103,7 @@ class Plan:
 
     def line(self) -> str:
         """The log's one line."""
-        then = {NOW: "; compiling for the next job in another process from the start",
-                AFTER: "; compiling for the next job in another process once sampling ends"}.get(self.sidecar, "")
+        then = f"; {SIDECAR_SAYS[self.sidecar]}" if self.sidecar else ""
         return f"plan: {self.stack}{then} ({self.reason})"
 
     def record(self) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def switch_pays(facts: Facts, calls_left: int) -> bool:
 def sidecar_start(facts: Facts) -> str:
     """:data:`NOW` when a compile started with the job ends while switching to it still pays, else :data:`AFTER`.
     The calls made meanwhile are counted at the eager time a call measured alone; beside the compile they run
-    slower, so fewer are made and more are left: the count leans to :data:`AFTER`."""
+    slower, so the count overstates the calls made and understates those left: it leans to :data:`AFTER`."""
     made = max(0.0, facts.compile_s.s - facts.eager_first_s.s) / facts.eager_call_s.s
     return NOW if switch_pays(facts, facts.calls - math.ceil(made)) else AFTER
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from bench.core.records import RESULTS_FILE, code_label, read_results
 from med_ddpm.config_checks import ConfigError, DataError
+from med_ddpm.sample_plan import NOW, SIDECAR_SAYS
 
 WORKLOADS = {"forward": "denoiser forward", "train_step": "train step", "ddpm250": "DDPM, 250 steps",
              "fast_sampler": "`fast_sample`'s own sampler", "sampler25": "the searched 25-call sampler"}
@@ -208,10 +209,8 @@ class Run:
         plan = (self.ok(job) or {}).get("plan") or {}
         if not plan:
             return ""
-        then = {"now": ", compiling for the next job in another process",
-                "after": ", compiling for the next job in another process once sampling ends"}
-        when = "now" if plan.get("sidecar") is True else plan.get("sidecar")  # true: a row that started it with the job
-        return plan["stack"] + then.get(when, "")
+        when = NOW if plan.get("sidecar") is True else plan.get("sidecar")  # true: a row that started it with the job
+        return plan["stack"] + (f", {SIDECAR_SAYS[when]}" if when in SIDECAR_SAYS else "")
 
     def variant(self, job: str) -> str:
         """`` (`fast_train_fp16`)`` when the GPU ran the job as its experiment's fp16 variant (the ladder's ``variant``

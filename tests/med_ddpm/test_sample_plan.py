@@ -205,7 +205,6 @@ def test_the_first_call_runs_on_zeros_beside_the_first_mask_s_read_where_it_is_s
 
 STANDIN = """
 import json, sys, time
-from dataclasses import replace
 from pathlib import Path
 from med_ddpm.utils import atomic_write
 spec = json.loads(Path(sys.argv[1]).read_text())
