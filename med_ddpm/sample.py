@@ -19,15 +19,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import json
 import logging
 import math
+import multiprocessing
+import os
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -148,37 +153,43 @@ def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_di
     return out
 
 
-class BackgroundWriter:
-    """Writes one volume's files on a thread while the device samples the next.
+def timed(fn: Callable[..., Path], *args: Any) -> tuple[Path, float]:
+    """``fn(*args)`` and its seconds, in the writer's process."""
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
 
-    One thread, at most ``depth`` volumes queued (each holds a CPU copy of its volume), so a slow disk
-    slows sampling down instead of filling memory. A write's error is raised in the sampling thread at
-    the next :meth:`submit` that has to wait, or at :meth:`close`; files are written atomically, so a
-    failed write leaves no partial file.
+
+class BackgroundWriter:
+    """Writes volumes' files in another process while the device samples the next.
+
+    A thread would share the interpreter lock with the sampling loop, whose steps would then wait while it runs
+    Python (NIfTI's and the montage's); a process does not. It is forked at construction, before the CUDA context
+    exists, and never touches the device. At most ``depth`` volumes are queued (each holds a CPU copy of its
+    volume), so a slow disk slows sampling down instead of filling memory. A write's error is raised in the
+    sampling loop at the next :meth:`submit` that has to wait, or at :meth:`close`; files are written atomically,
+    so a failed write leaves no partial file.
     """
 
     def __init__(self, depth: int = 2) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="med_ddpm-writer")
+        start = "fork" if sys.platform == "linux" else "spawn"
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(start))
+        self.pool.submit(os.getpid)  # the process starts now
         self.pending: deque[Future] = deque()
         self.depth, self.written = depth, []
-        self.busy_s = self.wait_s = 0.0  # seconds the thread wrote; seconds sampling waited for it
+        self.busy_s = self.wait_s = 0.0  # seconds the process wrote; seconds sampling waited for it
 
     def submit(self, fn: Callable[..., Path], *args: Any) -> None:
+        """Queue ``fn(*args)`` (a module-level function and picklable arguments), returning the path it wrote."""
         while len(self.pending) >= self.depth:
             self._collect_oldest()
-        self.pending.append(self.pool.submit(self._timed, fn, *args))
-
-    def _timed(self, fn: Callable[..., Path], *args: Any) -> Path:
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.busy_s += time.perf_counter() - start
+        self.pending.append(self.pool.submit(timed, fn, *args))
 
     def _collect_oldest(self) -> None:
         start = time.perf_counter()
         try:
-            self.written.append(self.pending.popleft().result())
+            path, seconds = self.pending.popleft().result()
+            self.written.append(path)
+            self.busy_s += seconds
         finally:
             self.wait_s += time.perf_counter() - start
 
@@ -207,15 +218,15 @@ class SamplingJob:
     out_dir: Path
     cache: CompileCache | None
     masks: Iterator[tuple[int, str, torch.Tensor, Any]]  # (index, name, cond, NIfTI), prepared ahead by a worker
-    plan: sample_plan.Plan = sample_plan.Plan("compiled", False, "compile=always")  # the stack as configured
+    plan: sample_plan.Plan = sample_plan.Plan("compiled", "", "compile=always")  # the stack as configured
     facts: sample_plan.Facts | None = None
     sidecar: compile_sidecar.Sidecar | None = None  # compiling the cache for the next job
 
-    @property
-    def model_stack(self) -> RecipeStack:
-        """The stack the network is prepared with: the whole stack, or without its compile recipes (eager)."""
-        return self.stack if self.plan.stack == "compiled" else RecipeStack(
-            r for r in self.stack.recipes if not isinstance(r, Compile))
+    running: RecipeStack | None = None  # the stack the network runs now: the plan's, the whole one once switched
+
+    def __post_init__(self) -> None:
+        if self.running is None:
+            self.running = self.stack if self.plan.stack == "compiled" else self.stack.eager()
 
 
 def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
@@ -236,10 +247,11 @@ def prepare(cfg: DictConfig, clock: RunClock) -> SamplingJob:
     sampler = sampler_from_config(cfg.sampler, loaded.schedule.to(device))
     facts = job_facts(cfg, loaded, stack, cache, len(conditions) * len(sampler.timesteps), geometry[1])
     plan = sample_plan.plan_job(cfg.get("compile", "always"), facts)
-    log.info(plan.line())
     job = SamplingJob(cfg, device, loaded, sampler, stack, geometry,
                       Path(distributed.broadcast_object(str(cfg.output_dir))), cache,  # Hydra's dir may differ per rank
                       masks, plan, facts)
+    log.info("%s; recipes %s", plan.line(), ", ".join(job.running.names) or "none")
+    clock.set(plan_recipes=job.running.names)
     start_sidecar(job, sample_plan.NOW)
     clock.mark("recipes_ready")
     return job
@@ -280,52 +292,59 @@ def warm_up(job: SamplingJob, model: torch.nn.Module) -> bool:
     capture), so that it runs while the masks' worker still reads the first mask. Skipped (False) without a fixed
     size: an original checkpoint samples each mask at its own."""
     size = job.geometry[1]
-    if not (job.model_stack.slow_first_call or job.device.type == "cuda") or size is None:
+    if not (job.running.slow_first_call or job.device.type == "cuda") or size is None:
         return False
-    compile_sidecar.first_call_on_zeros(model, job.stack, job.loaded.model, job.cfg.num_samples, size, job.device)
+    compile_sidecar.first_call_on_zeros(model, job.running, job.loaded.model, job.cfg.num_samples, size, job.device)
     return True
 
 
-def switched(job: SamplingJob, model: torch.nn.Module, calls_done: int) -> torch.nn.Module | None:
-    """The compiled network, once the sidecar has saved the cache and its load repays over the calls left
-    (:func:`med_ddpm.sample_plan.switch_pays`); None otherwise. The compile recipes run last on the prepared
-    network, as in the whole stack's ``prepare_model``."""
+def switched(job: SamplingJob, sessions: contextlib.ExitStack, calls_done: int) -> torch.nn.Module | None:
+    """The whole stack's network, once the sidecar has saved the cache and its load repays over the calls left
+    (:func:`med_ddpm.sample_plan.switch_pays`); None otherwise. The whole stack's session opens inside the eager
+    one's (``sessions`` closes both), and it prepares the checkpoint's network, which the eager form left as loaded
+    (:func:`network_for`)."""
     if job.sidecar is None or not job.sidecar.ready() or not sample_plan.switch_pays(job.facts,
                                                                                       job.facts.calls - calls_done):
         return None
-    job.sidecar = None
+    job.sidecar, job.running = None, job.stack
+    sessions.enter_context(job.stack.session())
     job.cache.load()
-    for recipe in job.stack.recipes:
-        if isinstance(recipe, Compile):
-            model = recipe.prepare_model(model)
-    return model
+    return job.stack.prepare_model(job.loaded.model)
 
 
-def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock) -> list[float]:
-    """Sample this rank's masks inside the recipe session, handing each volume to ``writer``; returns the
-    seconds each mask took (the first includes compilation, cuDNN autotuning and CUDA-graph capture, unless
-    :func:`warm_up` took them before it)."""
+def network_for(job: SamplingJob) -> torch.nn.Module:
+    """The network the plan's stack prepares. A recipe may change the network it prepares in place, so where the job
+    may switch to the whole stack later, the eager form prepares a copy and the loaded network stays as it was."""
+    switches = job.running is not job.stack and job.plan.sidecar == sample_plan.NOW
+    return job.running.prepare_model(copy.deepcopy(job.loaded.model) if switches else job.loaded.model)
+
+
+def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock, sessions: contextlib.ExitStack
+               ) -> list[float]:
+    """Sample this rank's masks inside the running stack's session (in ``sessions``), handing each volume to
+    ``writer``; returns the seconds each mask took (the first includes compilation, cuDNN autotuning and CUDA-graph
+    capture, unless :func:`warm_up` took them before it)."""
     cfg, resize_mode = job.cfg, job.geometry[2]
     compiled = job.plan.stack == "compiled"
     if job.cache is not None and compiled:
         job.cache.load()
-    model = job.model_stack.prepare_model(job.loaded.model)
+    model = network_for(job)
     clock.mark("model_ready")
     if warm_up(job, model):
         clock.mark("warmed_up")
     volume_s, alone, calls = [], [], len(job.sampler.timesteps)
     for index, name, cond, nifti in job.masks:
-        if (faster := switched(job, model, len(volume_s) * calls)) is not None:
+        if (faster := switched(job, sessions, len(volume_s) * calls)) is not None:
             model = faster
             clock.set(switched_at_mask=len(volume_s))
             log.info("the sidecar's compile is in the cache: the masks from %d on sample compiled", len(volume_s))
         if not volume_s:
             clock.mark("first_mask_ready")  # the first mask in hand: read by a worker since the checkpoint loaded
         start, beside = time.perf_counter(), sidecar_running(job)
-        c = job.stack.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
+        c = job.running.prepare_input(cond[None].to(job.device).expand(cfg.num_samples, *cond.shape))
         generator = distributed.keyed_generator(job.device, cfg.seed, index)
         x0 = sample(model, job.sampler, c, generator=generator, progress=cfg.progress and distributed.is_main(),
-                    forward_context=job.stack.forward_context, out_channels=job.loaded.model.out_channels).cpu()
+                    forward_context=job.running.forward_context, out_channels=job.loaded.model.out_channels).cpu()
         volume_s.append(time.perf_counter() - start)
         alone.append(not (beside or sidecar_running(job)))
         if len(volume_s) == 1:
@@ -350,7 +369,7 @@ def sidecar_running(job: SamplingJob) -> bool:
 def record_costs(job: SamplingJob, clock: RunClock, volume_s: list[float], alone: list[bool], calls: int) -> None:
     """Keep what this run measured beside the cache, for the next job's plan: seconds per call of the stack it ran
     (the median of the later masks sampled while no sidecar compiled, when no switch mixed two stacks) and its
-    first call's (the warm-up's, when it ran alone)."""
+    first cost (the network's preparation and warm-up call, when they ran alone)."""
     if job.cache is None or not distributed.is_main():
         return
     compiled = job.plan.stack == "compiled"
@@ -358,7 +377,7 @@ def record_costs(job: SamplingJob, clock: RunClock, volume_s: list[float], alone
     per_call = statistics.median(later) / calls if later and calls else None
     first = ("load_s" if job.cache.status == "warm" else "compile_s") if compiled else "eager_first_s"
     warmed = "warmed_up_s" in clock.values and (compiled or job.plan.sidecar != sample_plan.NOW)
-    warm_up_s = clock.values.get("warmed_up_s", 0.0) - clock.values.get("model_ready_s", 0.0)
+    warm_up_s = clock.values.get("warmed_up_s", 0.0) - clock.values.get("recipes_ready_s", 0.0)  # prepared, called
     sample_plan.record(job.cache.plan_path,
                        **{"compiled_call_s" if compiled else "eager_call_s":
                           None if "switched_at_mask" in clock.values else per_call},
@@ -373,11 +392,12 @@ def run(cfg: DictConfig) -> list[Path]:
     """
     clock = RunClock("sample")
     clock.mark("run_start")
-    job = prepare(cfg, clock)
-    writer = BackgroundWriter()
+    writer = BackgroundWriter()  # its process forks before the CUDA context exists
     try:
-        with job.stack.session():
-            volume_s = sample_all(job, writer, clock)
+        job = prepare(cfg, clock)
+        with contextlib.ExitStack() as sessions:
+            sessions.enter_context(job.running.session())
+            volume_s = sample_all(job, writer, clock, sessions)
     finally:
         written = writer.close()  # raises a write's error
     clock.set(volumes=len(volume_s) * cfg.num_samples, volume_s=[round(s, 4) for s in volume_s],

@@ -1,9 +1,10 @@
 """How ``med_ddpm.sample`` runs a job: eager or compiled, and whether to compile for the next job in a sidecar.
 
-A compiled stack runs each network call faster than the same stack without its compile recipe, but its first
-call pays: about 40 s on a cold cache (inductor, Triton, the ``.aot`` file), a few seconds on a warm one (the
-file's load, cuDNN autotuning, CUDA-graph capture). A 4-mask job on a cold cache would save about 3.4 s a mask
-by compiling and spend 40 s doing it. So with ``compile=auto`` the command estimates both and picks the cheaper:
+The compiled stack runs each network call faster than the stack's eager form (its recipes that pay without a
+compiler, :meth:`optim.RecipeStack.eager`), but its first call pays: about 50 s on a cold cache (inductor, Triton,
+the ``.aot`` file), several on a warm one (the cache's and the file's load, cuDNN autotuning, CUDA-graph capture).
+A 4-mask job on a cold cache would save about 1.5 s a mask by compiling and spend 50 s doing it. So with
+``compile=auto`` the command estimates both and picks the cheaper:
 
 * warm cache: compiled when ``load + calls x compiled`` beats ``eager first + calls x eager``;
 * cold cache: compiled in this process when ``compile + calls x compiled`` beats ``eager first + calls x eager``;
@@ -14,8 +15,8 @@ by compiling and spend 40 s doing it. So with ``compile=auto`` the command estim
   (:func:`sidecar_start`), so that it does not share the GPU and the CPU with the job's calls.
 
 ``compile=always`` compiles in this process (a cold cache: the first call compiles); ``compile=never`` runs the
-stack without its compile recipes. Either stack's first call costs more than a later one (eager: lazy kernel
-loading and cuDNN's autotuning; compiled: the compile or the load), hence a first-call cost on each side. The facts
+eager form. Either side's first cost is the network's preparation and first call (eager: lazy kernel loading;
+compiled: the compile or the load, autotuning, graph capture). The facts
 are :class:`Known` values with where each came from: ``measured`` (this machine, recorded beside the cache by an
 earlier run, :func:`record`; an eager time a call only from masks sampled while no sidecar compiled, since the
 compile shares the GPU), ``row`` (a committed benchmark row's figure) or ``guess`` (no row of this stack: an
@@ -62,15 +63,16 @@ class Known:
 DEFAULTS = dict(
     # forward.shipped on the H100 (bench/results/h100/results.jsonl, 2046e9f): 20.26 ms a call
     compiled_call_s=Known(0.0203, "row"),
-    # e2e.sample4_cold on the H100 (79f1efd): the shipped stack without compile sampled 5.4316 s a volume of 100
-    # calls, alone (its sidecar compiled after it)
-    eager_call_s=Known(0.0543, "row"),
-    # the same row: that stack's warm-up call on zeros (lazy kernel loading, cuDNN autotuning) took 10.50 s
-    eager_first_s=Known(10.50, "row"),
-    # e2e.sample4_cold on the H100 (90877a2): the warm-up call that builds the .aot file took 39.9 s
-    compile_s=Known(39.9, "row"),
-    # e2e.sample4_warm on the H100 (90877a2): the warm-up call that loads it took 3.5 s
-    load_s=Known(3.5, "row"),
+    # the eager probe on the H100 (bench/results/h100/eager/results.jsonl, 79f1efd): the shipped stack's eager form,
+    # amp_fp16 + fused_groupnorm + sdpa_attention, ran the forward in 35.1 ms
+    eager_call_s=Known(0.0351, "row"),
+    # the same row: its first call took 1.02 s (lazy kernel loading, no autotuning)
+    eager_first_s=Known(1.02, "row"),
+    # e2e.sample4_warm on the H100 (79f1efd): the sidecar's compile of that job's cache, alone, took 48.3 s (its plan)
+    compile_s=Known(48.3, "row"),
+    # the same row: preparing the network (the cache's load, the recipes) took 1.80 s, the warm-up call that loads
+    # the .aot file, autotunes and captures the CUDA graphs 5.63 s
+    load_s=Known(7.43, "row"),
 )
 
 
@@ -81,10 +83,11 @@ class Facts:
     cache: str  # warm | cold | off (the stack compiles nothing, or paths.compile_cache=null)
     calls: int  # network calls this process makes: masks x calls per volume (num_samples are one batch)
     eager_call_s: Known
-    eager_first_s: Known  # the eager stack's first call: lazy kernel loading, cuDNN autotuning
+    eager_first_s: Known  # the eager form's preparation and first call (lazy kernel loading)
     compiled_call_s: Known
-    compile_s: Known  # a cold cache: the first compiled call (build and save)
-    load_s: Known  # a warm cache: the first compiled call (load, autotune, capture)
+    compile_s: Known  # a cold cache: the compiled stack's preparation and first call (build and save)
+    load_s: Known  # a warm cache: the compiled stack's preparation (the cache's load) and first call (load, autotune,
+    # capture)
     compiles: bool = True  # the stack has a compile recipe
     compiling: bool = False  # another process is compiling this cache now
 

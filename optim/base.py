@@ -83,6 +83,10 @@ class Capabilities:
             accumulated over micro-batches.
         scales_loss: needs a loss scaler (fp16 autocast).
         slow_first_call: the first call pays seconds of work (compilation); its CPU contract test is slow.
+        pays_eagerly: speeds a network call up without a compiler, from the first call on, so the stack's eager form
+            (:meth:`optim.RecipeStack.eager`, a job too small to compile) keeps it. False for a compiler, for a
+            change whose gain comes only through one (a layout or a kernel form inductor fuses, slower eagerly) and
+            for one that pays only over many calls (cuDNN's autotuning spends seconds on the first).
     """
 
     exact: bool = True
@@ -100,6 +104,7 @@ class Capabilities:
     captures_graphs: bool = False
     scales_loss: bool = False
     slow_first_call: bool = False
+    pays_eagerly: bool = True
 
     def inert_on(self, device: DeviceInfo) -> bool:
         """True where the recipe runs but changes nothing (see ``acts_on``)."""

@@ -46,7 +46,7 @@ class CudnnBenchmark(Recipe):
             raise ValueError(f"cudnn_benchmark: limit must be a non-negative int or null, got {limit!r}")
         self.limit = limit
         self.capabilities = Capabilities(exact=False, tolerance={"rtol": 1e-4, "atol": 1e-6}, flags=_flags(True, limit),
-                                         acts_on=("cuda",))
+                                         acts_on=("cuda",), pays_eagerly=False)
 
     def options(self) -> dict[str, Any]:
         return {"limit": self.limit}

@@ -132,6 +132,11 @@ class RecipeStack:
         """True when a recipe's first call compiles (the bench reports that call as compile time)."""
         return any(r.capabilities.slow_first_call for r in self.recipes)
 
+    def eager(self) -> RecipeStack:
+        """The stack a job runs without compiling: its recipes that pay without a compiler
+        (:attr:`optim.Capabilities.pays_eagerly`), the same instances."""
+        return RecipeStack(r for r in self.recipes if r.capabilities.pays_eagerly)
+
     def supported(self, device: DeviceInfo | torch.device | str | None) -> tuple[bool, str]:
         """``(False, "recipe '<name>' is unsupported on this device: <reason>; <fix>")`` for the first recipe
         the device cannot run."""

@@ -45,7 +45,8 @@ precompiled            with a compile recipe's ``aot``: ``loaded``, ``saved`` or
 ms_per_volume          training: steady state; data_wait_pct: share of it the loop waited for batches
 peak_mem_gib           ``max_memory_allocated``; peak_reserved_gib: the allocator's (what the GPU holds)
 plan                   sampling: what ``compile=`` chose and why (:mod:`med_ddpm.sample_plan`); sidecar_wait_s: what the
-                       job waited after the command for the compile it left running (:func:`wait_for_sidecars`)
+                       job waited after the command for the compile it left running (:func:`wait_for_sidecars`);
+                       plan_recipes: the recipes the plan's stack ran (an eager plan: the stack's eager form)
 bytecode               where the commands read bytecode, and whether it was compiled at the run's start
                        (:mod:`bench.core.bytecode`)
 import_s               with ``import_times=true``: seconds per package of the command's imports, lazy ones included
@@ -224,7 +225,7 @@ def sample_split(t: Mapping[str, Any]) -> dict[str, Any]:
         if steady is not None else None,
         "sampling_s": round(sum(volumes), 4), "volumes": t["volumes"],
         "write_busy_s": t["write_busy_s"], "write_exposed_s": round(t["total_s"] - t["sampling_done_s"] + t["write_wait_s"], 4),
-        "torch_compile_s": torch_compile_s(t), **precompiled(t),
+        "torch_compile_s": torch_compile_s(t), **precompiled(t), "plan_recipes": t.get("plan_recipes"),
     }
 
 

@@ -3,6 +3,7 @@ writer; errors of either reach the sampling loop as they were."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -18,29 +19,33 @@ from med_ddpm.sample import BackgroundWriter, MaskConditions, Raised, prepared_m
 from med_ddpm.utils import atomic_write_text
 
 
-def test_writes_run_behind_sampling_in_order_and_the_queue_is_bounded():
-    release, seen = threading.Event(), []
+def held_write(folder: Path, name: str) -> Path:
+    """A write that waits for ``folder/release``, then leaves ``name`` holding the pid of the process that wrote it."""
+    deadline = time.monotonic() + 60
+    while not (folder / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return atomic_write_text(folder / name, str(os.getpid()))
 
-    def slow_write(path: Path) -> Path:
-        release.wait(timeout=10)
-        seen.append(path)
-        return path
 
+def broken(path: Path) -> Path:
+    raise OSError(f"{path}: disk full")
+
+
+def test_writes_run_behind_sampling_in_another_process_in_order_and_the_queue_is_bounded(tmp_path):
     writer = BackgroundWriter(depth=2)
-    writer.submit(slow_write, Path("a"))
-    writer.submit(slow_write, Path("b"))
-    assert len(writer.pending) == 2 and not seen  # sampling went on while nothing was written
-    threading.Timer(0.2, release.set).start()
-    writer.submit(slow_write, Path("c"))  # a third volume waits for the oldest write
-    assert len(writer.pending) <= 2 and writer.wait_s > 0.1
-    assert writer.close() == [Path("a"), Path("b"), Path("c")] == seen
-    assert writer.busy_s > 0.1  # the held write counts as writing time
+    writer.submit(held_write, tmp_path, "a")
+    writer.submit(held_write, tmp_path, "b")
+    assert len(writer.pending) == 2 and not (tmp_path / "a").exists()  # sampling went on while nothing was written
+    threading.Timer(0.5, (tmp_path / "release").touch).start()
+    writer.submit(held_write, tmp_path, "c")  # a third volume waits for the oldest write
+    assert len(writer.pending) <= 2 and writer.wait_s > 0.3
+    assert writer.close() == [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    assert writer.busy_s > 0.3  # the held write counts as writing time
+    pids = {(tmp_path / n).read_text() for n in "abc"}
+    assert len(pids) == 1 and pids != {str(os.getpid())}  # one writer, not the sampling process
 
 
-def test_a_write_error_surfaces_in_the_sampling_thread():
-    def broken(path: Path) -> Path:
-        raise OSError(f"{path}: disk full")
-
+def test_a_write_error_surfaces_in_the_sampling_loop():
     writer = BackgroundWriter(depth=1)
     writer.submit(broken, Path("a"))
     with pytest.raises(OSError, match="a: disk full"):
@@ -141,11 +146,13 @@ def test_a_compiled_stack_s_first_call_runs_on_zeros_laid_out_as_the_first_mask_
     monkeypatch.setattr(RecipeStack, "slow_first_call", property(lambda self: slow_first_call))
     net, size = RecordingNet(), [8, 8, 8]
     cfg = OmegaConf.create({"num_samples": 2, "seed": 0, "progress": False})
+    stack = RecipeStack.from_config(OmegaConf.load(CONFIG_DIR / "recipe" / "channels_last_3d.yaml"))
     job = SamplingJob(cfg, torch.device("cpu"), SimpleNamespace(model=net), build_sampler("ddim", NoiseSchedule(10), 2),
-                      RecipeStack.from_config(OmegaConf.load(CONFIG_DIR / "recipe" / "channels_last_3d.yaml")), ("whole_head", size, "crop_or_pad"), Path("."),
-                      None, iter([(0, "m", torch.ones(2, *size), None)]))
+                      stack, ("whole_head", size, "crop_or_pad"), Path("."), None,
+                      iter([(0, "m", torch.ones(2, *size), None)]))
     clock = RunClock("sample")
-    sample_all(job, Collected(), clock)
+    with contextlib.ExitStack() as sessions:
+        sample_all(job, Collected(), clock, sessions)
     first_mask = net.calls[1:] if slow_first_call else net.calls
     assert len(first_mask) == 2 and ("warmed_up_s" in clock.values) == slow_first_call
     if slow_first_call:

@@ -3,6 +3,7 @@ the sidecar's process (a kill leaves no cache entry)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -29,11 +30,11 @@ def facts(cache: str = "cold", masks: int = 4, calls: int = 100, **changes) -> F
 
 
 @pytest.mark.parametrize(("mode", "cache", "masks", "calls", "stack", "sidecar"), [
-    ("auto", "cold", 4, 100, "eager", "after"),  # 40 s of compiling to save about 3.4 s a mask, done after the job
-    ("auto", "cold", 8, 100, "eager", "now"),  # the job switches to the compile for its last masks
+    ("auto", "cold", 4, 100, "eager", "after"),  # 50 s of compiling to save about 1.5 s a mask, done after the job
+    ("auto", "cold", 24, 100, "eager", "now"),  # the job switches to the compile for its last masks
     ("auto", "cold", 64, 100, "compiled", ""),  # 64 masks repay the compile within the job
-    ("auto", "warm", 4, 100, "compiled", ""),  # the load repays over 400 calls
-    ("auto", "warm", 1, 25, "compiled", ""),  # the eager first call's autotuning costs more than the load
+    ("auto", "warm", 8, 100, "compiled", ""),  # the load repays over 800 calls
+    ("auto", "warm", 4, 25, "eager", ""),  # not over 100: the eager form's first call costs a second, the load seven
     ("auto", "off", 4, 100, "eager", ""),  # no cache to warm for the next job: no sidecar
     ("always", "cold", 1, 25, "compiled", ""),
     ("never", "warm", 64, 100, "eager", ""),
@@ -135,37 +136,47 @@ class FakeSidecar:
         return self._running
 
 
-def job_with(tmp_path: Path, plan: sample_plan.Plan, sidecar=None, calls: int = 400):
+def job_with(tmp_path: Path, plan: sample_plan.Plan, sidecar=None, calls: int = 400, net=None):
+    """A job of a stack with a recipe that pays eagerly, one that does not and a compile recipe."""
     from med_ddpm.cli import CONFIG_DIR
     from med_ddpm.sample import SamplingJob
     from optim import RecipeStack
 
-    recipes = OmegaConf.merge(*(OmegaConf.load(CONFIG_DIR / "recipe" / f"{n}.yaml") for n in ("channels_last_3d",
-                                                                                                "compile")))
+    recipes = OmegaConf.merge(*(OmegaConf.load(CONFIG_DIR / "recipe" / f"{n}.yaml") for n in (
+        "cudnn_benchmark", "channels_last_3d", "compile")))
     stack = RecipeStack.from_config(recipes)
     cache = CompileCache(tmp_path, "sample", {"k": 1})
-    job = SamplingJob(OmegaConf.create({}), torch.device("cpu"), None, None, stack, ("whole_head", [8, 8, 8], ""),
-                      tmp_path, cache, iter(()), plan, facts("cold", 1, calls), sidecar)
-    return job
+    loaded = type("Loaded", (), {"model": net})()
+    return SamplingJob(OmegaConf.create({}), torch.device("cpu"), loaded, None, stack, ("whole_head", [8, 8, 8], ""),
+                       tmp_path, cache, iter(()), plan, facts("cold", 1, calls), sidecar)
 
 
-def test_an_eager_plan_prepares_the_network_without_the_compile_recipes(tmp_path):
+def test_an_eager_plan_runs_the_stack_s_eager_form_and_a_compiled_one_the_whole_stack(tmp_path):
     eager = job_with(tmp_path, plan_job("auto", facts("cold")))
-    assert eager.model_stack.names == ["channels_last_3d"]
-    assert job_with(tmp_path, plan_job("always", facts())).model_stack.names == ["channels_last_3d", "compile"]
+    assert eager.running.names == [] and not eager.running.session_flags().get("cudnn.benchmark")
+    whole = job_with(tmp_path, plan_job("always", facts())).running
+    assert whole.names == ["cudnn_benchmark", "channels_last_3d", "compile"]
 
 
-def test_the_job_switches_to_the_sidecar_s_compile_once_it_is_ready_and_only_if_it_pays(tmp_path):
-    from med_ddpm.sample import switched
+def test_the_job_switches_to_the_whole_stack_once_the_sidecar_s_compile_is_ready_and_only_if_it_pays(tmp_path):
+    """The eager form prepares a copy (a recipe may change the network it prepares in place); the switch prepares
+    the loaded network with the whole stack, inside its session."""
+    from med_ddpm.sample import network_for, switched
 
-    net = torch.nn.Conv3d(1, 1, 1)
-    plan = plan_job("auto", facts("cold"))
-    assert switched(job_with(tmp_path, plan, FakeSidecar(False)), net, 0) is None  # still compiling
-    assert switched(job_with(tmp_path, plan, FakeSidecar(True)), net, 400) is None  # no calls left
-    job = job_with(tmp_path, plan, FakeSidecar(True))
-    eager_forward = net.forward
-    compiled = switched(job, net, 0)
-    assert compiled is net and net.forward != eager_forward and job.sidecar is None  # compiled in place, once
+    plan = sample_plan.Plan("eager", sample_plan.NOW, "test")
+    with contextlib.ExitStack() as sessions:
+        assert switched(job_with(tmp_path, plan, FakeSidecar(False), 1000), sessions, 0) is None  # still compiling
+        assert switched(job_with(tmp_path, plan, FakeSidecar(True), 1000), sessions, 900) is None  # too few left
+    net = torch.nn.Conv3d(2, 4, 3)
+    job = job_with(tmp_path, plan, FakeSidecar(True), 1000, net=net)
+    eager = network_for(job)
+    assert eager is not net and not net.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    with contextlib.ExitStack() as sessions:
+        compiled = switched(job, sessions, 0)
+        assert torch.backends.cudnn.benchmark  # the whole stack's session
+        assert compiled is net and net.weight.is_contiguous(memory_format=torch.channels_last_3d)
+        assert job.running is job.stack and job.sidecar is None
+    assert not torch.backends.cudnn.benchmark  # both sessions closed
 
 
 @pytest.mark.parametrize(("stack", "sidecar", "alone", "recorded"), [
@@ -182,7 +193,7 @@ def test_the_job_keeps_only_what_it_measured_without_a_compile_beside_it(tmp_pat
     plan = sample_plan.Plan(stack, sample_plan.NOW if sidecar else "", "test")
     job = job_with(tmp_path, plan, started, calls=4)
     clock = RunClock("sample")
-    clock.set(model_ready_s=1.0, warmed_up_s=3.0)
+    clock.set(recipes_ready_s=0.5, model_ready_s=1.0, warmed_up_s=2.5)  # prepared in 0.5 s, called in 1.5 s
     record_costs(job, clock, [9.0, 2.0, 1.0], alone, 4)
     kept = sample_plan.known_facts(job.cache.plan_path, VOLUME)
     assert {k: v.s for k, v in kept.items() if v.source == "measured"} == recorded

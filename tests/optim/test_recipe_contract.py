@@ -1,7 +1,7 @@
 """The recipe contract, parametrised over every file in configs/recipe/ with no special cases.
 
 For each recipe config: it composes and instantiates to an ``optim.Recipe`` named by its config and
-declaring :class:`optim.Capabilities`; ``supported()`` on CPU and on fake V100/H200 descriptors is
+declaring :class:`optim.Capabilities` (a compiler not in the stack's eager form); ``supported()`` on CPU and on fake V100/H200 descriptors is
 ``(True, "")`` or ``(False, "<reason>; <fix>")`` and the stack refuses with
 ``recipe '<name>' is unsupported on this device: <reason>; <fix>``; the training loop's gradient
 accumulation is refused exactly for a graph-capturing recipe; where supported on this machine, a
@@ -79,6 +79,9 @@ def test_recipe_contract(path: Path, baseline) -> None:
     assert recipe.name == path.stem and isinstance(recipe.capabilities, Capabilities)
     assert type(recipe)(**recipe.options()).name == path.stem, "built in Python, the recipe has its config's name"
     json.dumps(recipe.describe())
+    # the eager form (a job too small to compile) keeps what pays without a compiler, never a compiler itself
+    assert stack.eager().names == ([path.stem] if recipe.capabilities.pays_eagerly else [])
+    assert not (recipe.capabilities.slow_first_call and recipe.capabilities.pays_eagerly)
 
     for device in DEVICES:  # supported() answers "<reason>; <fix>", and the stack refuses with it by name
         ok, reason = recipe.supported(device)
