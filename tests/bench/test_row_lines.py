@@ -1,8 +1,9 @@
 """bench.core.row_lines: a row stored whole or as its difference from an earlier row reads back as the same row;
-bench.compact rewrites a file line for line."""
+bench.compact rewrites a file line for line; the committed results files are compact and small."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,9 @@ from bench.core.records import append_row, read_results, read_rows
 from bench.core.row_lines import LIKE, SET, UNSET, compacted, difference, digest, line_for, restore, same
 from med_ddpm.config_checks import DataError
 
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+SIZE_LIMIT = 500_000  # bytes of one committed rows file: a new run adds tens of KB, not a row's config each
 CONFIG = {"bench": {"iters": 20, "scenario": "denoise_step", "checkpoint": None}, "model": {"channels": [1, 2, 4]},
           "a/b~c": {"x": 1}, "seed": 0}
 
@@ -113,3 +117,13 @@ def test_compact_rewrites_whole_rows_line_for_line(stored):
     assert text(after[0]) == text(before[0]) == text(written) and after[1] == before[1] == ["results.jsonl:5"]
     assert path.read_text().splitlines()[1] == "" and compacted(path) == path.read_text()
     assert len(path.read_bytes()) < len("\n".join(whole))
+
+
+COMMITTED = sorted(p for name in ("results.jsonl", "counters.jsonl") for p in RESULTS.rglob(name))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(RESULTS)))
+def test_a_committed_rows_file_is_compact_and_small(path: Path):
+    assert len(path.read_bytes()) <= SIZE_LIMIT, f"{path}: over {SIZE_LIMIT} bytes"
+    assert compacted(path) == path.read_text(), f"{path}: some rows are not in their shortest line: " \
+                                                f"python -m bench.compact {path.relative_to(ROOT)}"

@@ -4,7 +4,6 @@ wandb: ``wandb_offline`` keeps every W&B folder in the test's tmp_path."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -150,7 +149,7 @@ def test_config_and_summary_of_a_row():
     other_run = {**base, "run_id": "other", "ms_median": 1.0}
     row = {**run, "recipes": ["amp_fp16", "compile"], "ms_median": 10.0, "job_name": "sampler25.shipped",
            "config": {"recipe": {"amp_fp16": {"dtype": "float16", "_target_": "x"}, "compile": {"mode": "max"}}},
-           "quality": json.loads(GATED.read_text().splitlines()[0])["quality"]}
+           "quality": read_rows(GATED)[0]["quality"]}
     config = run_config(row)
     assert config["recipe"]["amp_fp16"] and config["recipe"]["compile"] and not config["recipe"]["tf32"]
     assert config["recipe_options"] == {"amp_fp16": {"dtype": "float16"}, "compile": {"mode": "max"}}
