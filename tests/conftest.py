@@ -60,49 +60,82 @@ def torch_threads():
     torch.set_num_threads(1)
 
 
-def read_wandb_runs(folder: Path) -> list[dict]:
-    """Every offline W&B run under ``folder``, read back from its ``run-<id>.wandb`` file with W&B's own record
-    protobuf: the file is W&B's LevelDB-style log (a 7-byte ``:W&B`` header, then 32 KiB blocks of records, each a
-    7-byte header: CRC32C, length, type 1 full / 2 first / 3 middle / 4 last). Returns, per run, its id, name,
-    group, job_type, config and summary (JSON values) and exit code."""
-    import json
+WANDB_WRITE_S = 30.0  # how long W&B's service may take to write a finished run's file
+
+
+def wandb_records(data: bytes) -> tuple[list[bytes], bool]:
+    """The records of a ``run-<id>.wandb`` file's bytes, and whether they end where a record ends: the file is W&B's
+    LevelDB-style log (a 7-byte ``:W&B`` header, then 32 KiB blocks of chunks, each a 7-byte header: CRC32C, length,
+    type 1 full / 2 first / 3 middle / 4 last; a block's tail too short for a header is padding)."""
     import struct
 
-    from wandb.proto import wandb_internal_pb2
+    pos, block, chunks, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):
+            return records, False
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(chunks)
+            chunks = b""
+    return records, not chunks
 
-    def records(data: bytes):
-        pos, block, chunks = 7, 32768, b""
-        while pos + 7 <= len(data):
-            if block - pos % block < 7:  # a block's tail too short for a header is padding
-                pos += block - pos % block
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            chunks += data[pos + 7:pos + 7 + length]
-            pos += 7 + length
-            if kind in (1, 4):
-                yield chunks
-                chunks = b""
+
+def wandb_run(records: list[bytes]) -> dict | None:
+    """A run read from its records with W&B's own record protobuf, at its ``exit`` record (the last W&B writes);
+    None when the records hold none."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
 
     def items(update) -> dict:
         return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in update}
 
+    run: dict = {"config": {}, "summary": {}, "exit_code": None}
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            r = record.run
+            run.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type)
+            run["config"].update(items(r.config.update))
+        elif kind == "config":
+            run["config"].update(items(record.config.update))
+        elif kind == "summary":
+            run["summary"].update(items(record.summary.update))
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+            return run
+    return None
+
+
+def finished_wandb_run(run_dir: Path) -> dict | None:
+    """The run of an ``offline-run-*`` folder once its ``run-<id>.wandb`` file holds the whole run; None before."""
+    files = list(run_dir.glob("run-*.wandb"))
+    records, whole = wandb_records(files[0].read_bytes()) if len(files) == 1 else ([], False)
+    return wandb_run(records) if whole else None
+
+
+def read_wandb_runs(folder: Path, wait_s: float = WANDB_WRITE_S) -> list[dict]:
+    """Every offline W&B run under ``folder`` (its ``offline-run-*`` folders in order): its id, name, group, job_type,
+    config and summary (JSON values) and exit code.
+
+    ``Run.finish()`` returns before the run's file is written: W&B's service keeps the file's last 32 KiB block in
+    memory until it closes the run, on a request ``finish()`` sends without waiting. So each run is read again until
+    its file holds the ``exit`` record, for up to ``wait_s`` seconds, then refused."""
+    import time
+
     runs = []
-    for path in sorted(folder.rglob("offline-run-*/run-*.wandb")):
-        run = {"config": {}, "summary": {}, "exit_code": None}
-        for raw in records(path.read_bytes()):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(raw)
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                r = record.run
-                run.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type)
-                run["config"].update(items(r.config.update))
-            elif kind == "config":
-                run["config"].update(items(record.config.update))
-            elif kind == "summary":
-                run["summary"].update(items(record.summary.update))
-            elif kind == "exit":
-                run["exit_code"] = record.exit.exit_code
+    for run_dir in sorted(p for p in folder.rglob("offline-run-*") if p.is_dir()):
+        deadline = time.monotonic() + wait_s
+        while (run := finished_wandb_run(run_dir)) is None:
+            assert time.monotonic() < deadline, f"{run_dir}: no finished W&B run file after {wait_s:g} s"
+            time.sleep(0.05)
         runs.append(run)
     return runs
 

@@ -2,7 +2,9 @@
 
 One row per benchmark job, appended as a single JSON line with flush + fsync, so a sweep
 killed mid-way (OOM killer, the 10-minute device limit) keeps every finished row and can
-resume by skipping rows already present (:func:`job_key`).
+resume by skipping rows already present (:func:`job_key`). A line holds its row whole or as
+what differs from an earlier row of the file (:mod:`bench.core.row_lines`: configs, describes
+and environments repeat from row to row); :func:`read_results` gives every row whole.
 
 Provenance is stamped on every row by :func:`append_row`, never typed by hand:
 
@@ -56,7 +58,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import secrets
 import subprocess
 import time
@@ -64,6 +65,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from bench.core.row_lines import line_for, numbered_rows
 from med_ddpm.config_checks import DataError
 from med_ddpm.utils import append_line, atomic_write_text
 
@@ -213,26 +215,22 @@ def provenance() -> dict[str, Any]:
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> dict[str, Any]:
-    """Append ``row`` as one JSON line (flush + fsync), stamped with this run's id and provenance; returns the row
-    as the file holds it."""
+    """Append ``row`` as one line (flush + fsync), stamped with this run's id and provenance; returns the row as the
+    file holds it. The line is the row whole or its difference from an earlier row of the file
+    (:mod:`bench.core.row_lines`); a file that does not read back whole gets the row whole."""
     if row.get("status") not in STATUSES:
         raise ValueError(f"results row has status {row.get('status')!r}; expected one of {STATUSES}")
-    line = json.dumps({"run_id": run_id(), **provenance(), **row}, sort_keys=True, default=str)
-    append_line(path, line)
-    return json.loads(line)
+    stamped = json.loads(json.dumps({"run_id": run_id(), **provenance(), **row}, sort_keys=True, default=str))
+    append_line(path, line_for(stamped, earlier_rows(Path(path))))
+    return stamped
 
 
-LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
-
-
-def cut_short(err: ValueError) -> bool:
-    """Whether a line that is no JSON row is a row whose writer was killed mid-line: the text ends before the row
-    does (inside a string, a number or a literal, or between two tokens)."""
-    if not isinstance(err, json.JSONDecodeError) or err.msg.startswith("Extra data"):
-        return False  # not UTF-8 (:func:`append_row` writes ASCII), or text after a whole row
-    rest = err.doc[err.pos:].strip()
-    return (err.msg.startswith("Unterminated string") or re.fullmatch(r"[-+.eE0-9]*", rest) is not None
-            or any(word.startswith(rest) for word in LITERALS))
+def earlier_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows a new line of ``path`` may be stored against: none when the file is missing or does not read."""
+    try:
+        return [row for _, row in numbered_rows(path)[0]] if path.exists() else []
+    except DataError:
+        return []
 
 
 def read_results(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -244,18 +242,8 @@ def read_results(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
         path = path / RESULTS_FILE
     if not path.exists():
         raise DataError(f"{path.parent}: no results file ({path.name}); pass the folder a sweep or ladder wrote")
-    rows, cut = [], []
-    for n, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError as err:  # not JSON, or not UTF-8
-            if not cut_short(err):
-                raise DataError(f"{path}:{n}: not a results row ({err}); each line is one JSON row: repair or "
-                                f"remove line {n}") from err
-            cut.append(f"{path.name}:{n}")
-    return rows, cut
+    rows, cut = numbered_rows(path)
+    return [row for _, row in rows], cut
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

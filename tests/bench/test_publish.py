@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose
 
+from bench.core.records import read_rows
 from bench.reporting.evidence import fmt_ms, fmt_x, sig
 from bench.reporting.pages import from_config, publish
 from med_ddpm import cli
@@ -33,7 +34,7 @@ def publish_all(repo: Path, wanted=()) -> list[str]:
 
 
 def rows(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    return read_rows(folder)
 
 
 def write_rows(folder: Path, new: list[dict]) -> None:

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import bench.quality.training as quality_training
-from bench.core.records import job_key, provenance, recipe_label
+from bench.core.records import job_key, provenance, read_rows, recipe_label
 from bench.core.runner import compose_job
 from bench.core.worker import base_row
 from bench.ladder import run as run_ladder_command
@@ -296,7 +296,7 @@ def test_tiny_runs_train_gate_and_the_control_fails_while_a_fresh_seed_passes(tm
     assert [(s["git_sha"], s["gpu"]) for s in training["arms"]["fp32"]["starts"]] == [(provenance()["git_sha"], None)]
     curves = json.loads((out / "loss_curves.json").read_text())
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG" and training["git_sha"] == curves["git_sha"]
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [Path(r["quality"]["checkpoints"]["candidate"]).parent.parent.name for r in rows] == arms[1:]
     assert all(r["status"] == "ok" and r["quality"]["n_samples"] == 10 for r in rows)
     verdict = json.loads((out / "training_verdict.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bench import report
-from bench.core import records
+from bench.core import records, row_lines
 from bench.core.records import append_row, missing_baselines, read_rows
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -295,11 +295,11 @@ def test_every_cut_of_a_row_is_told_from_a_corrupt_line():
     for end in range(1, len(line)):
         with pytest.raises(ValueError) as err:
             json.loads(line[:end])
-        assert records.cut_short(err.value), line[:end]
+        assert row_lines.cut_short(err.value), line[:end]
     for corrupt in ("#" + line[1:], line + "x", line.replace(":", ";", 1), "nul" + line):
         with pytest.raises(ValueError) as err:
             json.loads(corrupt)
-        assert not records.cut_short(err.value), corrupt
+        assert not row_lines.cut_short(err.value), corrupt
 
 
 def test_no_note_when_every_line_reads(sweep):

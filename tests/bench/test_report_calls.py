@@ -1,6 +1,5 @@
 """bench.report's model-calls plot: gated sampling rows, the worst distribution p-value, the gate's checks."""
 
-import json
 from pathlib import Path
 
 from bench import report
@@ -30,7 +29,7 @@ def test_worst_distribution_p_reads_only_the_distribution_checks():
 
 def test_worst_distribution_p_reads_the_h200_gate_rows():
     """The rows the gate wrote on the H200: every one has a distribution p-value, the passing ones the highest."""
-    rows = [json.loads(line) for line in H200_SAMPLERS.read_text().splitlines()]
+    rows = read_rows(H200_SAMPLERS)
     worst = {row["run_id"] + row["sampler"] + str(row["steps"]): report.worst_distribution_p(row) for row in rows}
     assert all(p is not None and 0 < p <= 1 for p in worst.values())
     passed = [report.worst_distribution_p(r) for r in rows if r["quality"]["verdict"] == "pass"]

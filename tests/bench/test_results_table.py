@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.core.records import read_rows
 from bench.reporting.pages import BEGIN, END, publish
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +36,7 @@ def block(text: str) -> str:
 def run_rows(rows_file: Path, run: str) -> dict[str, dict]:
     """job name -> the run's row (its last ok row when it has several)."""
     jobs: dict[str, dict] = {}
-    for line in rows_file.read_text().splitlines():
-        row = json.loads(line)
+    for row in read_rows(rows_file):
         if row.get("run_id") == run and row.get("job_name"):
             if row["job_name"] not in jobs or row.get("status") == "ok":
                 jobs[row["job_name"]] = row

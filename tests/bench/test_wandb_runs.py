@@ -4,12 +4,12 @@ wandb: ``wandb_offline`` keeps every W&B folder in the test's tmp_path."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ from bench.core.records import RESULTS_FILE, RUN_ID_ENV, append_row, read_rows
 from bench.core.wandb_runs import job_name, log_job, publish_unlogged, run_config, run_summary, stack_name
 from bench.report import write_report
 from med_ddpm.config_checks import ConfigError, OutputError
-from med_ddpm.tracking import LOGGED_FILE, check_logger, deciding_check, gate_summary
+from med_ddpm.tracking import LOGGED_FILE, WandbTracker, check_logger, deciding_check, gate_summary
 
 REPO = Path(__file__).resolve().parents[2]
 GATED = REPO / "bench" / "results" / "h100" / "quality" / RESULTS_FILE  # two rows with a real gate report
@@ -129,6 +129,31 @@ def test_a_command_preset_logs_each_of_its_rows_once_the_run_ends(tmp_path, wand
     ladder.run(cfg)
     assert len(wandb_offline(tmp_path / "wandb")) == 3
 
+@pytest.mark.e2e
+def test_runs_are_read_once_w_and_b_has_written_them_whole(tmp_path, wandb_offline):
+    """``finish()`` returns before W&B's service writes the run's file (it holds its last block until it closes the
+    run): whatever part of the file is on disk when the reader first looks, it reads the whole run once written,
+    and refuses a run whose file never holds its exit record."""
+    tracker = WandbTracker({"mode": "offline", "dir": str(tmp_path / "made")}, {"a": 1}, name="made")
+    tracker.summarize({"x": 2.5})
+    tracker.finish()
+    (made,) = wandb_offline(tmp_path / "made")
+    assert (made["name"], made["config"]["a"], made["summary"]["x"], made["exit_code"]) == ("made", 1, 2.5, 0)
+    (path,) = (tmp_path / "made").rglob("offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    for cut in (0, 7, len(data) // 2, len(data) - 1):  # none yet, the header alone, a cut record, all but a byte
+        late = tmp_path / f"late{cut}" / path.parent.name / path.name
+        late.parent.mkdir(parents=True)
+        late.write_bytes(data[:cut])
+        writer = threading.Timer(0.3, late.write_bytes, [data])
+        writer.start()
+        assert wandb_offline(late.parents[1]) == [made]
+        writer.join()
+    late.write_bytes(data[:-1])
+    with pytest.raises(AssertionError, match=r"no finished W&B run file after 0.2 s"):
+        wandb_offline(late.parents[1], wait_s=0.2)
+
+
 def test_a_wandb_failure_keeps_the_row_and_warns_in_one_line(tmp_path, wandb_offline, caplog):
     row = append_row(tmp_path / RESULTS_FILE, {
         "scenario": "denoise_step", "batch_size": 1, "recipes": [], "status": "ok", "ms_median": 2.0,
@@ -150,7 +175,7 @@ def test_config_and_summary_of_a_row():
     other_run = {**base, "run_id": "other", "ms_median": 1.0}
     row = {**run, "recipes": ["amp_fp16", "compile"], "ms_median": 10.0, "job_name": "sampler25.shipped",
            "config": {"recipe": {"amp_fp16": {"dtype": "float16", "_target_": "x"}, "compile": {"mode": "max"}}},
-           "quality": json.loads(GATED.read_text().splitlines()[0])["quality"]}
+           "quality": read_rows(GATED)[0]["quality"]}
     config = run_config(row)
     assert config["recipe"]["amp_fp16"] and config["recipe"]["compile"] and not config["recipe"]["tf32"]
     assert config["recipe_options"] == {"amp_fp16": {"dtype": "float16"}, "compile": {"mode": "max"}}
