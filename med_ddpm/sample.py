@@ -143,43 +143,49 @@ def prepared_masks(masks: torch.utils.data.Dataset, workers: int) -> Iterator[An
     return stream()
 
 
-def write_outputs(x0: torch.Tensor, cond: torch.Tensor, name: str, nifti, out_dir: Path, resize_mode: str) -> Path:
-    """NIfTI with the mask's affine/header (identity affine for phantoms) + PNG montage."""
+def write_volume(x0: torch.Tensor, name: str, nifti, out_dir: Path, resize_mode: str) -> Path:
+    """The sample as NIfTI with the mask's affine and header (an identity affine for phantoms)."""
     out = out_dir / f"{name}.nii.gz"
     reference = nifti if nifti is not None else (torch.eye(4).numpy(), None)
     save_volume_like(x0, reference, out, dtype="float32", resize_mode=resize_mode)
-    save_montage_png(x0, cond, out_dir / f"{name}.png", title=name)
     log.info("wrote %s", out)
     return out
 
 
-def timed(fn: Callable[..., Path], *args: Any) -> tuple[Path, float]:
+def write_montage(x0: torch.Tensor, cond: torch.Tensor, name: str, out_dir: Path) -> None:
+    """A PNG montage of mid-slices (image | mask overlay)."""
+    save_montage_png(x0, cond, out_dir / f"{name}.png", title=name)
+
+
+def timed(fn: Callable[..., Path | None], *args: Any) -> tuple[Path | None, float]:
     """``fn(*args)`` and its seconds, in the writer's process."""
     start = time.perf_counter()
     return fn(*args), time.perf_counter() - start
 
 
 class BackgroundWriter:
-    """Writes volumes' files in another process while the device samples the next.
+    """Writes volumes' files in other processes while the device samples the next.
 
     A thread would share the interpreter lock with the sampling loop, whose steps would then wait while it runs
-    Python (NIfTI's and the montage's); a process does not. It is forked at construction, before the CUDA context
-    exists, and never touches the device. At most ``depth`` volumes are queued (each holds a CPU copy of its
-    volume), so a slow disk slows sampling down instead of filling memory. A write's error is raised in the
-    sampling loop at the next :meth:`submit` that has to wait, or at :meth:`close`; files are written atomically,
-    so a failed write leaves no partial file.
+    Python (NIfTI's and the montage's); a process does not. ``workers`` processes are forked at construction,
+    before the CUDA context exists, and never touch the device; with two, a volume's NIfTI and montage are written
+    at once, and a 25-call volume is sampled faster than one process writes it. At most ``depth`` files are
+    queued (each holds a CPU copy of its volume), so a slow disk slows sampling down instead of filling memory. A
+    write's error is raised in the sampling loop at the next :meth:`submit` that has to wait, or at :meth:`close`;
+    files are written atomically, so a failed write leaves no partial file.
     """
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 4, workers: int = 2) -> None:
         start = "fork" if sys.platform == "linux" else "spawn"
-        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(start))
-        self.pool.submit(os.getpid)  # the process starts now
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(start))
+        for _ in range(workers):
+            self.pool.submit(os.getpid)  # the processes start now
         self.pending: deque[Future] = deque()
         self.depth, self.written = depth, []
-        self.busy_s = self.wait_s = 0.0  # seconds the process wrote; seconds sampling waited for it
+        self.busy_s = self.wait_s = 0.0  # seconds the processes wrote (summed); seconds sampling waited for them
 
-    def submit(self, fn: Callable[..., Path], *args: Any) -> None:
-        """Queue ``fn(*args)`` (a module-level function and picklable arguments), returning the path it wrote."""
+    def submit(self, fn: Callable[..., Path | None], *args: Any) -> None:
+        """Queue ``fn(*args)`` (a module-level function and picklable arguments); a path it returns is kept."""
         while len(self.pending) >= self.depth:
             self._collect_oldest()
         self.pending.append(self.pool.submit(timed, fn, *args))
@@ -188,13 +194,13 @@ class BackgroundWriter:
         start = time.perf_counter()
         try:
             path, seconds = self.pending.popleft().result()
-            self.written.append(path)
+            self.written += [path] if path is not None else []
             self.busy_s += seconds
         finally:
             self.wait_s += time.perf_counter() - start
 
     def close(self) -> list[Path]:
-        """Wait for every queued write; returns the written NIfTI paths in submission order."""
+        """Wait for every queued write; returns the paths they returned, in submission order."""
         try:
             while self.pending:
                 self._collect_oldest()
@@ -354,7 +360,8 @@ def sample_all(job: SamplingJob, writer: BackgroundWriter, clock: RunClock, sess
                 job.cache.save()
         for k in range(cfg.num_samples):
             suffix = f"_{k}" if cfg.num_samples > 1 else ""
-            writer.submit(write_outputs, x0[k], cond, name + suffix, nifti, job.out_dir, resize_mode)
+            writer.submit(write_volume, x0[k], name + suffix, nifti, job.out_dir, resize_mode)
+            writer.submit(write_montage, x0[k], cond, name + suffix, job.out_dir)
     clock.mark("sampling_done")
     clock.set(masks_beside_compile=alone.count(False))
     record_costs(job, clock, volume_s, alone, calls)

@@ -1,9 +1,10 @@
 """How ``med_ddpm.sample`` runs a job: eager or compiled, and whether to compile for the next job in a sidecar.
 
 The compiled stack runs each network call faster than the stack's eager form (its recipes that pay without a
-compiler, :meth:`optim.RecipeStack.eager`), but its first call pays: about 50 s on a cold cache (inductor, Triton,
-the ``.aot`` file), several on a warm one (the cache's and the file's load, cuDNN autotuning, CUDA-graph capture).
-A 4-mask job on a cold cache would save about 1.5 s a mask by compiling and spend 50 s doing it. So with
+compiler, :meth:`optim.RecipeStack.eager`), but its first call pays: about a minute on a cold cache (inductor,
+Triton, the ``.aot`` file), several seconds on a warm one (the cache's and the file's load, cuDNN autotuning,
+CUDA-graph capture). A 4-mask job on a cold cache would save about 1.5 s a mask by compiling and spend a minute
+doing it. So with
 ``compile=auto`` the command estimates both and picks the cheaper:
 
 * warm cache: compiled when ``load + calls x compiled`` beats ``eager first + calls x eager``;
@@ -59,20 +60,22 @@ class Known:
         return f"{self.s:.4g} s [{self.source}]"
 
 
-# Defaults for the shipped sampling stack on a 128^3 volume, used until this machine has measured its own.
+# Defaults for the shipped sampling stack on a 128^3 volume, used until this machine has measured its own: the H100
+# rows of run 20261207T152054Z-7fb10e (bench/results/h100/results.jsonl, 6073214) and the eager probe of that call
+# (bench/results/h100/eager/results.jsonl).
 DEFAULTS = dict(
-    # forward.shipped on the H100 (bench/results/h100/results.jsonl, 2046e9f): 20.26 ms a call
-    compiled_call_s=Known(0.0203, "row"),
-    # the eager probe on the H100 (bench/results/h100/eager/results.jsonl, 79f1efd): the shipped stack's eager form,
-    # amp_fp16 + fused_groupnorm + sdpa_attention, ran the forward in 35.1 ms
-    eager_call_s=Known(0.0351, "row"),
-    # the same row: its first call took 1.02 s (lazy kernel loading, no autotuning)
-    eager_first_s=Known(1.02, "row"),
-    # e2e.sample4_warm on the H100 (79f1efd): the sidecar's compile of that job's cache, alone, took 48.3 s (its plan)
-    compile_s=Known(48.3, "row"),
-    # the same row: preparing the network (the cache's load, the recipes) took 1.80 s, the warm-up call that loads
-    # the .aot file, autotunes and captures the CUDA graphs 5.63 s
-    load_s=Known(7.43, "row"),
+    # forward.shipped: 20.42 ms a call
+    compiled_call_s=Known(0.0204, "row"),
+    # the probe: the shipped stack's eager form, amp_fp16 + fused_groupnorm + sdpa_attention, 35.0 ms a call
+    eager_call_s=Known(0.0350, "row"),
+    # e2e.sample4_cold: the eager form's preparation and warm-up call on a fresh machine (a cold Triton cache for
+    # fused_groupnorm's kernels among it) took 8.70 s
+    eager_first_s=Known(8.70, "row"),
+    # e2e.sample4_warm's plan: the sidecar's compile of that job's cache, alone, took 58.9 s
+    compile_s=Known(58.9, "row"),
+    # e2e.sample4_warm: preparing the network (the cache's load, the recipes) took 1.74 s, the warm-up call that
+    # loads the .aot file, autotunes and captures the CUDA graphs 5.38 s
+    load_s=Known(7.12, "row"),
 )
 
 

@@ -31,7 +31,7 @@ def broken(path: Path) -> Path:
     raise OSError(f"{path}: disk full")
 
 
-def test_writes_run_behind_sampling_in_another_process_in_order_and_the_queue_is_bounded(tmp_path):
+def test_writes_run_behind_sampling_in_other_processes_in_order_and_the_queue_is_bounded(tmp_path):
     writer = BackgroundWriter(depth=2)
     writer.submit(held_write, tmp_path, "a")
     writer.submit(held_write, tmp_path, "b")
@@ -41,8 +41,7 @@ def test_writes_run_behind_sampling_in_another_process_in_order_and_the_queue_is
     assert len(writer.pending) <= 2 and writer.wait_s > 0.3
     assert writer.close() == [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
     assert writer.busy_s > 0.3  # the held write counts as writing time
-    pids = {(tmp_path / n).read_text() for n in "abc"}
-    assert len(pids) == 1 and pids != {str(os.getpid())}  # one writer, not the sampling process
+    assert str(os.getpid()) not in {(tmp_path / n).read_text() for n in "abc"}  # written by the writer processes
 
 
 def test_a_write_error_surfaces_in_the_sampling_loop():
