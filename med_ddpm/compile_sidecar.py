@@ -1,10 +1,10 @@
 """Compile a sampling job's stack into its compile cache in another process, for the next job.
 
-``med_ddpm.sample`` with ``compile=auto`` on a cold cache samples a small job without its compile recipe
+``med_ddpm.sample`` with ``compile=auto`` on a cold cache samples a small job with the stack's eager form
 (:mod:`med_ddpm.sample_plan`) and starts ``python -m med_ddpm.compile_sidecar SPEC.json``: with the job when the
-job may switch to its compile (:class:`Sidecar`), else when the job's sampling ends. It loads the same checkpoint,
-builds the same stack for the same workload, makes the stack's first call on zeros (the compile) and saves the
-cache, so the next job finds it warm.
+job may switch to its compile (:class:`Sidecar`), else when the job's sampling ends (then it first times the eager
+form's first call for the next job's plan). It loads the same checkpoint, builds the same stack for the same
+workload, makes the stack's first call on zeros (the compile) and saves the cache, so the next job finds it warm.
 
 Killed half-way, it leaves no half-written entry: the cache file, its ``.aot`` file and the plan's record are each
 written to a temporary file and renamed. While it runs, ``<cache>.compiling`` holds its pid, so another job does
@@ -14,6 +14,7 @@ not start a second compile of the same key, and ``bench.core.e2e`` waits for it 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import subprocess
@@ -96,15 +97,26 @@ def start(spec: dict[str, Any], cache: CompileCache, module: str = "med_ddpm.com
 
 
 def spec_of(checkpoint: str, weights: str, recipe: Any, num_samples: int, size: list[int], device: torch.device,
-            cache_root: str) -> dict[str, Any]:
+            cache_root: str, time_eager: bool = False) -> dict[str, Any]:
     return {"checkpoint": str(checkpoint), "weights": weights, "recipe": recipe, "num_samples": int(num_samples),
-            "size": list(size), "device": str(device), "cache_root": str(cache_root)}
+            "size": list(size), "device": str(device), "cache_root": str(cache_root), "time_eager": time_eager}
+
+
+def eager_first_s(stack: RecipeStack, net: torch.nn.Module, n: int, size: list[int], device: torch.device) -> float:
+    """Seconds of the eager form's preparation (on a copy of ``net``) and first call in this fresh process: what the
+    next job pays for them. The job that started the sidecar may have paid more (a cold Triton cache it filled)."""
+    eager = stack.eager()
+    start = time.perf_counter()
+    with eager.session():
+        first_call_on_zeros(eager.prepare_model(copy.deepcopy(net)), eager, net, n, size, device)
+    return time.perf_counter() - start
 
 
 def run(spec: dict[str, Any]) -> Path | None:
     """Build the job's compiled stack, call it once on zeros and save the cache; returns the saved file. It runs at
     niceness 10 (inductor's compile workers inherit it), so that a job sampling beside it keeps the CPU it needs to
-    launch its kernels."""
+    launch its kernels. With ``time_eager`` (a sidecar started after the job's sampling, alone) it first times the
+    eager form's first call for the next job's plan (:func:`eager_first_s`)."""
     os.nice(10)
     device = torch.device(spec["device"])
     net = load_checkpoint(spec["checkpoint"], weights=spec["weights"]).model.to(device)
@@ -112,6 +124,10 @@ def run(spec: dict[str, Any]) -> Path | None:
     cache = CompileCache.for_run(spec["cache_root"], "sample", stack, device,
                                  sample_workload(net.config, spec["num_samples"], spec["size"]))
     try:
+        if spec.get("time_eager"):  # before the compile, which would warm this process's kernels for it
+            seconds = eager_first_s(stack, net, spec["num_samples"], spec["size"], device)
+            record(cache.plan_path, eager_first_s=seconds)
+            print(f"eager form's first call: {seconds:.2f} s", flush=True)
         start_s = time.perf_counter()
         with stack.session():
             cache.load()

@@ -271,7 +271,7 @@ def start_sidecar(job: SamplingJob, when: str) -> None:
     cfg = job.cfg
     job.sidecar = compile_sidecar.start(compile_sidecar.spec_of(
         cfg.checkpoint, cfg.weights, OmegaConf.to_container(cfg.recipe, resolve=True), cfg.num_samples,
-        job.geometry[1], job.device, cfg.paths.compile_cache), job.cache)
+        job.geometry[1], job.device, cfg.paths.compile_cache, time_eager=when == sample_plan.AFTER), job.cache)
 
 
 def job_facts(cfg: DictConfig, loaded: Loaded, stack: RecipeStack, cache: CompileCache | None, calls: int,

@@ -13,7 +13,8 @@ doing it. So with
   finds it warm. It starts with the job when its compile would end while switching to it still pays; the job then
   switches to the compiled stack at the next mask once the calls left repay the load:
   ``left x (eager - compiled) > load`` (:func:`switch_pays`). Otherwise it starts when the job's sampling ends
-  (:func:`sidecar_start`), so that it does not share the GPU and the CPU with the job's calls.
+  (:func:`sidecar_start`), so that it does not share the GPU and the CPU with the job's calls; it then also times
+  the eager form's first call for the next job (a job's own may include filling a cold Triton cache).
 
 ``compile=always`` compiles in this process (a cold cache: the first call compiles); ``compile=never`` runs the
 eager form. Either side's first cost is the network's preparation and first call (eager: lazy kernel loading;

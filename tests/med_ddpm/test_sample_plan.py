@@ -290,9 +290,38 @@ def test_a_small_job_on_a_cold_cache_samples_eagerly_and_its_sidecar_then_fills_
     known = sample_plan.known_facts(cache.plan_path, 1)
     assert json.loads((tmp_path / "out" / "timings.json").read_text())["masks_beside_compile"] == 0  # started after
     assert known["compile_s"].source == known["eager_call_s"].source == "measured"
+    assert "eager form's first call" in log.read_text()  # the sidecar, started after sampling, timed it for the next job
 
 
 def test_the_sidecar_s_spec_is_what_the_job_s_cache_key_is_built_from():
     spec = compile_sidecar.spec_of(Path("c.pt"), "ema", {"compile": {}}, 2, [8, 8, 8], torch.device("cpu"), "/c")
     assert spec == {"checkpoint": "c.pt", "weights": "ema", "recipe": {"compile": {}}, "num_samples": 2,
-                    "size": [8, 8, 8], "device": "cpu", "cache_root": "/c"}
+                    "size": [8, 8, 8], "device": "cpu", "cache_root": "/c", "time_eager": False}
+
+
+def test_the_sidecar_times_the_eager_form_s_first_call_on_a_copy_in_its_own_session():
+    """What the next job pays eagerly, measured in the sidecar's fresh process: the eager form only (no cuDNN
+    autotuning left on after it), the network as loaded."""
+    from med_ddpm.cli import CONFIG_DIR
+    from optim import RecipeStack
+
+    recipes = OmegaConf.merge(*(OmegaConf.load(CONFIG_DIR / "recipe" / f"{n}.yaml") for n in (
+        "cudnn_benchmark", "channels_last_3d", "compile")))
+    net = EpsNet()
+    seconds = compile_sidecar.eager_first_s(RecipeStack.from_config(recipes), net, 1, [8, 8, 8], torch.device("cpu"))
+    assert seconds > 0 and EpsNet.benchmark_seen == [False] and not torch.backends.cudnn.benchmark
+    assert not net.conv.weight.is_contiguous(memory_format=torch.channels_last_3d)  # the loaded network untouched
+
+
+class EpsNet(torch.nn.Module):
+    """An ε-network of 1 image and 2 mask channels, noting cuDNN's autotuning flag at each call."""
+
+    in_channels, out_channels, benchmark_seen = 3, 1, []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        EpsNet.benchmark_seen.append(torch.backends.cudnn.benchmark)
+        return self.conv(x)
