@@ -404,6 +404,14 @@ def _check_line(name: str, check: dict[str, Any]) -> str:
             f"{_fmt(check.get('p_value'))} | {quantiles} | {limits} |")
 
 
+def smallest_failed(q: dict[str, Any]) -> str:
+    """The smallest ε bias and noise the gate's controls failed, each where the row has it (a row of older code may
+    carry no noise control), as ``"smallest eps bias failed 0.015, ...; "``."""
+    found = [f"smallest eps {kind} failed {_fmt(q[key])}" for kind, key in
+             (("bias", "min_detectable_eps_bias"), ("noise", "min_detectable_eps_noise")) if q.get(key) is not None]
+    return "".join(f"{text}; " for text in [", ".join(found)] if text)
+
+
 def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
     """Every check of the latest gated row of each job (None when no row was gated)."""
     latest = {job_key(r): r for r in rows if known_provenance(r) and ((r.get("quality") or {}).get("checks"))}
@@ -419,10 +427,8 @@ def quality_markdown(rows: list[dict[str, Any]]) -> str | None:
                    else f" · {candidate['name']}" if candidate.get("name") else "")  # e.g. probes only
         lines += [f"## {row.get('scenario')} · {recipe_label(row)}{sampler}: "
                   f"**{q.get('verdict')}**", "",
-                  f"N = {q.get('n_samples')} ({q.get('n_masks')} masks), paired: {q.get('paired')}, smallest "
-                  f"eps bias failed {_fmt(q.get('min_detectable_eps_bias'))}, smallest eps noise failed "
-                  f"{_fmt(q.get('min_detectable_eps_noise'))}; code {code_label(row)}, run "
-                  f"{row.get('run_id')}.", "", QUALITY_HEADER]
+                  f"N = {q.get('n_samples')} ({q.get('n_masks')} masks), paired: {q.get('paired')}, "
+                  f"{smallest_failed(q)}code {code_label(row)}, run {row.get('run_id')}.", "", QUALITY_HEADER]
         lines += [_check_line(name, check) for name, check in q["checks"].items()]
         lines.append("")
     return "\n".join(lines)

@@ -17,11 +17,14 @@ The preset writes it after the verdict; ``python -m bench.report dir=DIR`` write
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from bench.core.records import code_label
 from med_ddpm.utils import atomic_write_text
+
+log = logging.getLogger("bench.quality.training_report")
 
 TRAINING_MD = "training.md"
 VERDICT_FILE = "training_verdict.json"
@@ -111,9 +114,14 @@ def differences_table(verdict: dict[str, Any]) -> list[str]:
 
 
 def training_markdown(folder: Path) -> str | None:
-    """The page for ``folder``, or None when it holds no training verdict."""
+    """The page for ``folder``, or None when it holds no training verdict, or one of older code this page cannot
+    show (said in one warning line)."""
     verdict = _read(folder, VERDICT_FILE)
     if verdict is None:
+        return None
+    if any("band" not in check for check in (verdict.get("checks") or {}).values()):
+        log.warning("%s: a verdict of older code (its checks carry no band of FP32 retraining): %s left as it was; "
+                    "rerun preset=quality_training to judge again", folder / VERDICT_FILE, TRAINING_MD)
         return None
     training, curves = _read(folder, "training.json"), _read(folder, "loss_curves.json") or {}
     lines = ["# Training stacks: the trained models against the band of strict-FP32 retraining", "",

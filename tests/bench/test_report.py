@@ -246,6 +246,11 @@ def test_quality_md_lists_every_check_of_the_latest_gated_row(tmp_path):
     assert "smallest eps bias failed 0.015, smallest eps noise failed 0.045" in md
 
 
+def test_the_smallest_eps_failed_says_only_what_the_row_holds():
+    assert report.smallest_failed({"min_detectable_eps_bias": 0.015}) == "smallest eps bias failed 0.015; "
+    assert report.smallest_failed({}) == ""
+
+
 def test_no_quality_md_without_a_gated_row(sweep):
     report.write_report(sweep)
     assert not (sweep / "quality.md").exists()

@@ -72,3 +72,11 @@ def test_bench_report_writes_the_page_beside_its_tables(tmp_path):
     assert (tmp_path / TRAINING_MD).read_text() == training_markdown(tmp_path)
 
 
+
+
+def test_a_verdict_of_older_code_without_bands_keeps_its_page_and_says_why_in_one_line(tmp_path, caplog):
+    old = {"stack": {"value": 0.017, "p_value": 0.002, "status": "warn"}, "verdict": "within"}
+    (folder(tmp_path, checks={"diversity_gap": old}) / TRAINING_MD).write_text("the page of its day")
+    assert write_training_report(tmp_path) is None and (tmp_path / TRAINING_MD).read_text() == "the page of its day"
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
+    assert "training_verdict.json: a verdict of older code" in caplog.text
