@@ -409,7 +409,8 @@ def smallest_failed(q: dict[str, Any]) -> str:
     carry no noise control), as ``"smallest eps bias failed 0.015, ...; "``."""
     found = [f"smallest eps {kind} failed {_fmt(q[key])}" for kind, key in
              (("bias", "min_detectable_eps_bias"), ("noise", "min_detectable_eps_noise")) if q.get(key) is not None]
-    return "".join(f"{text}; " for text in [", ".join(found)] if text)
+    text = ", ".join(found)
+    return f"{text}; " if text else ""
 
 
 def quality_markdown(rows: list[dict[str, Any]]) -> str | None:

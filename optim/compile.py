@@ -158,8 +158,8 @@ class Compile(Recipe):
         graphs = mode == "reduce-overhead"
         self.name = "compile_cudagraphs" if graphs else "compile"
         self.capabilities = Capabilities(
-            exact=False, tolerance={"rtol": 1e-4, "atol": 1e-5}, stage=50, kind="compile", slow_first_call=True, pays_eagerly=False,
-            captures_graphs=graphs, devices=("cuda",) if graphs else None, flags=CACHE_FLAGS,
+            exact=False, tolerance={"rtol": 1e-4, "atol": 1e-5}, stage=50, kind="compile", slow_first_call=True,
+            pays_eagerly=False, captures_graphs=graphs, devices=("cuda",) if graphs else None, flags=CACHE_FLAGS,
             requirement="compile mode reduce-overhead (CUDA-graph trees)",
             fix="use the compile recipe off CUDA (inductor would run there without graphs)")
 
