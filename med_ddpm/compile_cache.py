@@ -131,13 +131,10 @@ class CompileCache:
     def use_inductor_dir(self) -> None:
         """Point inductor's on-disk caches into the cache folder, unless the user chose a folder already.
 
-        Building a compile recipe already sets ``TORCHINDUCTOR_CACHE_DIR`` to inductor's ``/tmp`` default,
-        so that value counts as unset.
+        Importing inductor sets ``TORCHINDUCTOR_CACHE_DIR`` to its ``/tmp`` default, so that value counts as unset.
         """
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # inductor: seconds to import
-
         current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        if current is None or os.path.abspath(current) == os.path.abspath(_inductor_default_dir()):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.root / "inductor")
 
     def load(self) -> str:
@@ -167,6 +164,14 @@ class CompileCache:
         atomic_write_text(self.path.with_suffix(".json"), json.dumps(self.key, indent=1, sort_keys=True, default=str))
         log.info("compile cache saved: %s", self.path)
         return self.path
+
+
+def _inductor_default_dir() -> str:
+    """Inductor's default cache folder; imported only where the variable is set (inductor takes a second to import,
+    which a job that samples without compiling never pays)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
 
 
 def precompiled_report(model: torch.nn.Module) -> dict[str, Any] | None:

@@ -49,7 +49,7 @@ def check_mode(mode: str, layout_optimization: str | bool = "auto", inductor: Ma
     if layout_optimization not in LAYOUT_OPTIMIZATION:
         raise RecipeConflictError(f"compile layout_optimization must be one of {LAYOUT_OPTIMIZATION}, "
                                   f"got {layout_optimization!r}")
-    unknown = sorted(set(inductor or {}) - set(torch._inductor.list_options()))
+    unknown = sorted(set(inductor) - set(torch._inductor.list_options())) if inductor else []  # imports inductor
     if unknown:
         raise RecipeConflictError(f"compile inductor options {unknown} are not inductor config names "
                                   "(torch._inductor.list_options())")

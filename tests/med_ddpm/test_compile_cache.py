@@ -152,6 +152,34 @@ def test_the_commands_do_not_import_inductor_without_a_compile_recipe():
     assert out.stdout.split() == ["False"], out.stderr[-2000:]
 
 
+EAGER_FORM_SCRIPT = """
+import os, sys, torch
+from hydra import compose, initialize_config_dir
+from med_ddpm.compile_cache import CompileCache
+from med_ddpm.compile_sidecar import first_call_on_zeros
+from med_ddpm.model import build_model
+from optim import RecipeStack
+with initialize_config_dir(os.path.abspath("med_ddpm/configs"), version_base=None):
+    cfg = compose("sample", ["experiment=fast_sample", "model=tiny", "~recipe.amp_fp16"])  # CPU fp16: slow
+stack = RecipeStack.from_config(cfg.recipe)
+CompileCache.for_run(sys.argv[1], "sample", stack, torch.device("cpu"), {})
+net = build_model(cfg.model)
+eager = stack.eager()
+with eager.session():
+    first_call_on_zeros(eager.prepare_model(net), eager, net, 1, list(cfg.model.image_size), torch.device("cpu"))
+print(eager.names, os.environ["TORCHINDUCTOR_CACHE_DIR"] == sys.argv[1] + "/inductor", "torch._inductor" in sys.modules)
+"""
+
+
+def test_a_job_that_samples_the_eager_form_of_a_compiling_stack_never_imports_inductor(tmp_path):
+    """An eager plan's start-up: building the whole stack (its compile recipe's options checked), its compile cache
+    (inductor's folder set) and a call of its eager form import no compiler, which takes a second or more."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", EAGER_FORM_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         cwd=REPO, timeout=300, env=env)
+    assert out.stdout.split("] ")[-1].split() == ["True", "False"], out.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_sampling_with_aot_loads_its_compiled_forward_in_the_next_run(tmp_path, reference_dir, whole_head_data):
     """``recipe.compile.aot=true``: the first run saves the compiled forward, the second loads it, same volumes."""
