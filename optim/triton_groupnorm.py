@@ -12,6 +12,11 @@ an eager bf16 step's GPU time. Here every (n, g) group is split over ``SPLIT`` p
    program of each group also stores the merged float32 mean and rstd = 1/sqrt(var + eps), so
    the lean backward of :mod:`optim.fused_groupnorm` reuses them (``return_stats=True``).
 
+A cold Triton cache compiles each kernel once per layout, SiLU and affine choice, not once per layer: the split
+and the channels per group are runtime arguments Triton does not specialise on, and ``_normalize`` merges its
+group's partials padded to ``PARTS`` (at least :data:`MIN_PARTS`, masked). A cold sampling job's first call compiles
+3 kernels for the whole-head network instead of one per layer shape.
+
 Statistics and arithmetic are float32 whatever the input dtype (GroupNorm32 semantics).
 Inputs are read as (N, C, S) with arbitrary strides, so NCDHW and channels_last_3d (and the
 attention block's (B, C, T)) are handled without copies; the chunk walks channels-fastest when
@@ -29,6 +34,7 @@ import triton.language as tl
 BLOCK = 1024
 PROGRAMS_PER_SM = 8
 MAX_SPLIT = 1024
+MIN_PARTS = 64  # the partials a program merges, padded: one compiled kernel for every split up to it
 
 
 @triton.jit
@@ -43,9 +49,9 @@ def _element_offsets(idx, n, g, Cg, S, stride_n, stride_c, stride_s, CHANNELS_FA
     return n.to(tl.int64) * stride_n + ch.to(tl.int64) * stride_c + s.to(tl.int64) * stride_s, ch
 
 
-@triton.jit
-def _partial_stats(x_ptr, stats_ptr, G, Cg, S, chunk, stride_n, stride_c, stride_s,
-                   SPLIT: tl.constexpr, BLOCK: tl.constexpr, CHANNELS_FAST: tl.constexpr):
+@triton.jit(do_not_specialize=["Cg", "split"])
+def _partial_stats(x_ptr, stats_ptr, G, Cg, S, chunk, split, stride_n, stride_c, stride_s,
+                   BLOCK: tl.constexpr, CHANNELS_FAST: tl.constexpr):
     group = tl.program_id(0)
     part = tl.program_id(1)
     n = group // G
@@ -69,25 +75,26 @@ def _partial_stats(x_ptr, stats_ptr, G, Cg, S, chunk, stride_n, stride_c, stride
         mean = mean + delta * frac
         m2 = m2 + tile_m2 + delta * delta * count * frac
         count = new_n
-    base = (group * SPLIT + part) * 3
+    base = (group * split + part) * 3
     tl.store(stats_ptr + base, count)
     tl.store(stats_ptr + base + 1, mean)
     tl.store(stats_ptr + base + 2, m2)
 
 
-@triton.jit
-def _normalize(x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, mean_ptr, rstd_ptr, G, Cg, S, chunk, eps,
+@triton.jit(do_not_specialize=["Cg", "split"])
+def _normalize(x_ptr, y_ptr, w_ptr, b_ptr, stats_ptr, mean_ptr, rstd_ptr, G, Cg, S, chunk, split, eps,
                stride_n, stride_c, stride_s, ystride_n, ystride_c, ystride_s,
-               SPLIT: tl.constexpr, BLOCK: tl.constexpr, CHANNELS_FAST: tl.constexpr,
+               PARTS: tl.constexpr, BLOCK: tl.constexpr, CHANNELS_FAST: tl.constexpr,
                SILU: tl.constexpr, AFFINE: tl.constexpr):
     group = tl.program_id(0)
     part = tl.program_id(1)
     n = group // G
     g = group % G
-    parts = tl.arange(0, SPLIT)
-    counts = tl.load(stats_ptr + (group * SPLIT + parts) * 3)
-    means = tl.load(stats_ptr + (group * SPLIT + parts) * 3 + 1)
-    m2s = tl.load(stats_ptr + (group * SPLIT + parts) * 3 + 2)
+    parts = tl.arange(0, PARTS)
+    live = parts < split  # a missing partial has count 0: it adds nothing below
+    counts = tl.load(stats_ptr + (group * split + parts) * 3, mask=live, other=0.0)
+    means = tl.load(stats_ptr + (group * split + parts) * 3 + 1, mask=live, other=0.0)
+    m2s = tl.load(stats_ptr + (group * split + parts) * 3 + 2, mask=live, other=0.0)
     total_n = tl.sum(counts, axis=0)
     mean = tl.sum(counts * means, axis=0) / total_n
     m2 = tl.sum(m2s + counts * (means - mean) * (means - mean), axis=0)
@@ -156,10 +163,10 @@ def group_norm_act_triton(x: torch.Tensor, num_groups: int, weight: torch.Tensor
     rstd = torch.empty(n, num_groups, device=x.device, dtype=torch.float32)
     channels_fast = x3.stride(1) < x3.stride(2)
     grid = (n * num_groups, split)
-    _partial_stats[grid](x3, stats, num_groups, cg, s, chunk, *x3.stride(),
-                         SPLIT=split, BLOCK=BLOCK, CHANNELS_FAST=channels_fast)
+    _partial_stats[grid](x3, stats, num_groups, cg, s, chunk, split, *x3.stride(),
+                         BLOCK=BLOCK, CHANNELS_FAST=channels_fast)
     affine = weight is not None
     _normalize[grid](x3, y3, weight if affine else x3, bias if affine else x3, stats, mean, rstd,
-                     num_groups, cg, s, chunk, eps, *x3.stride(), *y3.stride(), SPLIT=split, BLOCK=BLOCK,
-                     CHANNELS_FAST=channels_fast, SILU=silu, AFFINE=affine)
+                     num_groups, cg, s, chunk, split, eps, *x3.stride(), *y3.stride(),
+                     PARTS=max(MIN_PARTS, split), BLOCK=BLOCK, CHANNELS_FAST=channels_fast, SILU=silu, AFFINE=affine)
     return (y, mean, rstd) if return_stats else y

@@ -139,6 +139,34 @@ def test_triton_groupnorm_matches_reference(shape, dtype, channels_last, silu) -
 
 
 @pytest.mark.gpu
+def test_triton_groupnorm_merges_more_partials_than_its_padded_minimum() -> None:
+    """Few groups: each is split over more programs than ``MIN_PARTS``, so ``_normalize`` merges ``split`` partials."""
+    from optim.triton_groupnorm import MIN_PARTS, _split, group_norm_act_triton
+
+    x = torch.randn(1, 8, 64, 64, 64, device="cuda") * 3 + 2
+    assert _split(4, 2 * 64**3, x.device)[0] > MIN_PARTS
+    w, b = torch.randn(8, device="cuda"), torch.randn(8, device="cuda")
+    out = group_norm_act_triton(x, 4, w, b, 1e-5, True, torch.float32)
+    torch.testing.assert_close(out, F.silu(F.group_norm(x, 4, w, b, 1e-5)), rtol=1e-5, atol=4e-5)
+
+
+@pytest.mark.gpu
+def test_triton_groupnorm_compiles_one_kernel_per_layout_whatever_the_layer_shape() -> None:
+    """A cold Triton cache pays one compile per kernel variant: the whole-head network's levels (each its own split
+    and channels per group) and the attention's (B, C, T) share one of each kernel."""
+    from optim import triton_groupnorm as tg
+
+    for kernel in (tg._partial_stats, tg._normalize):
+        kernel.device_caches.clear()
+    for c, size in ((64, (32, 32, 32)), (128, (16, 16, 16)), (256, (8, 8, 8)), (512, (4, 4, 4)), (64, (4096,))):
+        x = torch.randn(1, c, *size, device="cuda", dtype=torch.float16)
+        w, b = torch.randn(c, device="cuda"), torch.randn(c, device="cuda")
+        tg.group_norm_act_triton(x, 32, w, b, 1e-5, True, torch.float16)
+    device = torch.cuda.current_device()
+    assert [len(k.device_caches[device][0]) for k in (tg._partial_stats, tg._normalize)] == [1, 1]
+
+
+@pytest.mark.gpu
 def test_fused_groupnorm_triton_backward_matches_torch() -> None:
     from optim.fused_groupnorm import FusedGroupNormAct
 
