@@ -409,10 +409,16 @@ def run(cfg: DictConfig) -> list[Path]:
         written = writer.close()  # raises a write's error
     clock.set(volumes=len(volume_s) * cfg.num_samples, volume_s=[round(s, 4) for s in volume_s],
               write_busy_s=round(writer.busy_s, 4), write_wait_s=round(writer.wait_s, 4),
-              compile_cache=cache_status(job.cache), recipes=job.stack.names, plan=job.plan.record())
+              compile_cache=cache_found(job), recipes=job.stack.names, plan=job.plan.record())
     if distributed.is_main():
         clock.write(job.out_dir)
     return written
+
+
+def cache_found(job: SamplingJob) -> str:
+    """The compile cache as the job found it (``warm``, ``cold``, ``off``): what its load found where the whole stack
+    ran, else what the plan saw (an eager job never loads the cache, however warm)."""
+    return cache_status(job.cache) if job.running is job.stack else job.facts.cache
 
 
 def check_options(cfg: DictConfig) -> None:

@@ -62,21 +62,21 @@ class Known:
 
 
 # Defaults for the shipped sampling stack on a 128^3 volume, used until this machine has measured its own: the H100
-# rows of run 20261207T152054Z-7fb10e (bench/results/h100/results.jsonl, 6073214) and the eager probe of that call
+# rows of run 20261207T170003Z-293622 (bench/results/h100/results.jsonl, 51d99c6) and the eager probe of that call
 # (bench/results/h100/eager/results.jsonl).
 DEFAULTS = dict(
-    # forward.shipped: 20.42 ms a call
+    # forward.shipped: 20.36 ms a call
     compiled_call_s=Known(0.0204, "row"),
-    # the probe: the shipped stack's eager form, amp_fp16 + fused_groupnorm + sdpa_attention, 35.0 ms a call
-    eager_call_s=Known(0.0350, "row"),
+    # the probe: the shipped stack's eager form, amp_fp16 + fused_groupnorm + sdpa_attention, 35.08 ms a call
+    eager_call_s=Known(0.0351, "row"),
     # e2e.sample4_cold: the eager form's preparation and warm-up call on a fresh machine (a cold Triton cache for
-    # fused_groupnorm's kernels among it) took 8.70 s
-    eager_first_s=Known(8.70, "row"),
-    # e2e.sample4_warm's plan: the sidecar's compile of that job's cache, alone, took 58.9 s
-    compile_s=Known(58.9, "row"),
-    # e2e.sample4_warm: preparing the network (the cache's load, the recipes) took 1.74 s, the warm-up call that
-    # loads the .aot file, autotunes and captures the CUDA graphs 5.38 s
-    load_s=Known(7.12, "row"),
+    # fused_groupnorm's kernels among it) took 5.10 s
+    eager_first_s=Known(5.10, "row"),
+    # e2e.sample4_warm's plan: the sidecar's compile of that job's cache, alone, took 44.55 s
+    compile_s=Known(44.55, "row"),
+    # e2e.sample4_warm: preparing the network (the cache's load, the recipes) took 2.83 s, the warm-up call that
+    # loads the .aot file, autotunes and captures the CUDA graphs 4.48 s
+    load_s=Known(7.31, "row"),
 )
 
 

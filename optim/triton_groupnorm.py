@@ -12,10 +12,10 @@ an eager bf16 step's GPU time. Here every (n, g) group is split over ``SPLIT`` p
    program of each group also stores the merged float32 mean and rstd = 1/sqrt(var + eps), so
    the lean backward of :mod:`optim.fused_groupnorm` reuses them (``return_stats=True``).
 
-A cold Triton cache compiles each kernel once per layout, SiLU and affine choice, not once per layer: the split
-and the channels per group are runtime arguments Triton does not specialise on, and ``_normalize`` merges its
-group's partials padded to ``PARTS`` (at least :data:`MIN_PARTS`, masked). A cold sampling job's first call compiles
-3 kernels for the whole-head network instead of one per layer shape.
+A cold Triton cache compiles each kernel once per dtype, layout, SiLU and affine choice, not once per layer shape
+(a cold sampling job's first call pays each compile): the split and the channels per group are runtime arguments
+Triton does not specialise on, and ``_normalize`` merges its group's partials padded to ``PARTS`` (at least
+:data:`MIN_PARTS`, masked).
 
 Statistics and arithmetic are float32 whatever the input dtype (GroupNorm32 semantics).
 Inputs are read as (N, C, S) with arbitrary strides, so NCDHW and channels_last_3d (and the

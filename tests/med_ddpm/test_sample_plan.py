@@ -34,7 +34,8 @@ def facts(cache: str = "cold", masks: int = 4, calls: int = 100, **changes) -> F
     ("auto", "cold", 24, 100, "eager", "now"),  # the job switches to the compile for its last masks
     ("auto", "cold", 64, 100, "compiled", ""),  # 64 masks repay the compile within the job
     ("auto", "warm", 8, 100, "compiled", ""),  # the load repays over 800 calls
-    ("auto", "warm", 1, 25, "compiled", ""),  # the eager form's first call on a fresh machine costs more than the load
+    ("auto", "warm", 4, 100, "compiled", ""),  # the load repays over 400 calls, against a fresh machine's eager call
+    ("auto", "warm", 1, 25, "eager", ""),  # 25 calls do not repay the load, even against that first call
     ("auto", "off", 4, 100, "eager", ""),  # no cache to warm for the next job: no sidecar
     ("always", "cold", 1, 25, "compiled", ""),
     ("never", "warm", 64, 100, "eager", ""),
@@ -156,6 +157,15 @@ def test_an_eager_plan_runs_the_stack_s_eager_form_and_a_compiled_one_the_whole_
     assert eager.running.names == [] and not eager.running.session_flags().get("cudnn.benchmark")
     whole = job_with(tmp_path, plan_job("always", facts())).running
     assert whole.names == ["cudnn_benchmark", "channels_last_3d", "compile"]
+
+
+def test_the_cache_is_reported_as_the_job_found_it_whether_or_not_it_loaded_it(tmp_path):
+    from med_ddpm.sample import cache_found
+
+    eager, compiled = (job_with(tmp_path, sample_plan.Plan(stack, "", "test")) for stack in ("eager", "compiled"))
+    eager.facts = compiled.facts = facts("warm")
+    assert cache_found(eager) == "warm"  # warm, and left unloaded
+    assert cache_found(compiled) == "cold"  # what its load found: no file in tmp_path
 
 
 def test_the_job_switches_to_the_whole_stack_once_the_sidecar_s_compile_is_ready_and_only_if_it_pays(tmp_path):
