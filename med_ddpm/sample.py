@@ -52,7 +52,7 @@ from med_ddpm.config_checks import (
     check_int,
     check_one_of,
 )
-from med_ddpm.data.datasets import load_condition
+from med_ddpm.data.datasets import load_condition, without_monai_extras
 from med_ddpm.data.masks import list_masks, native_size, sampling_geometry
 from med_ddpm.data.phantoms import SyntheticPhantoms
 from med_ddpm.data.volume_io import save_montage_png, save_volume_like
@@ -123,12 +123,18 @@ def _as_is(item: T) -> T:
     return item
 
 
+def _reads_volumes_only(worker_id: int) -> None:
+    without_monai_extras()
+
+
 def prepared_masks(masks: torch.utils.data.Dataset, workers: int) -> Iterator[Any]:
     """``masks``'s items in order, each read and preprocessed ahead by ``workers`` DataLoader processes (0: in this
     process, when asked). The workers start now: MONAI's import and the first masks' reads run beside the recipes,
     the compile cache's load and sampling, in another interpreter, so they do not take turns with them under one
-    interpreter lock. An item's error is raised when that item is due."""
-    items = iter(torch.utils.data.DataLoader(masks, batch_size=None, num_workers=workers, collate_fn=_as_is))
+    interpreter lock. A worker imports MONAI without the optional packages it would load and never use
+    (:func:`~med_ddpm.data.datasets.without_monai_extras`). An item's error is raised when that item is due."""
+    items = iter(torch.utils.data.DataLoader(masks, batch_size=None, num_workers=workers, collate_fn=_as_is,
+                                             worker_init_fn=_reads_volumes_only))
 
     def stream() -> Iterator[Any]:
         nonlocal items
@@ -177,7 +183,8 @@ class BackgroundWriter:
 
     def __init__(self, depth: int = 4, workers: int = 2) -> None:
         start = "fork" if sys.platform == "linux" else "spawn"
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(start))
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(start),
+                                        initializer=without_monai_extras)  # resampling a volume back imports MONAI
         for _ in range(workers):
             self.pool.submit(os.getpid)  # the processes start now
         self.pending: deque[Future] = deque()

@@ -1,7 +1,7 @@
 """Training's dataset, built in another process while this one prepares the model.
 
-Building the dataset is mostly Python: importing MONAI (seconds; more where its network zoo finds transformers and
-torchvision installed) and decoding every NIfTI file for the memory cache. Preparing the model is Python too:
+Building the dataset is mostly Python: importing MONAI (seconds, without the optional packages it would load and
+never use: :func:`~med_ddpm.data.datasets.without_monai_extras`) and decoding every NIfTI file for the memory cache. Preparing the model is Python too:
 building the recipes and the network, loading the compile cache, applying the recipes. Two threads would take turns
 under one interpreter lock, so :class:`DatasetBuild` forks a process that builds the dataset while the command
 prepares the model, and :meth:`DatasetBuild.result` waits for it where the loop first needs data.
@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from med_ddpm.data.cache import resolve_cache
-from med_ddpm.data.datasets import build_dataset
+from med_ddpm.data.datasets import build_dataset, without_monai_extras
 from med_ddpm.data.encoding import Variant
 
 log = logging.getLogger("med_ddpm.data")
@@ -102,6 +102,7 @@ def build_training_dataset(cfg_data: Mapping[str, Any], image_size: Sequence[int
 def _serve(conn: Connection, cfg_data: Mapping[str, Any], image_size: Sequence[int]) -> None:
     """The forked process: build the dataset, send it, and run until the command has taken it (shared tensors
     travel as file descriptors that this process hands over while it runs)."""
+    without_monai_extras()
     conn.send(build_training_dataset(cfg_data, image_size, share=True))
     conn.recv()
 

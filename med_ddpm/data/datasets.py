@@ -18,11 +18,14 @@ Med-DDPM checkpoints see what they were trained on.
 
 MONAI is imported inside the functions that build transforms and datasets: ``import monai`` imports every
 MONAI submodule (scipy and matplotlib with them), which a command that only checks its options or prints
-its config does not need.
+its config does not need. Its submodules also import every optional package they find installed (transformers,
+torchvision, CuPy...); a process that only reads and preprocesses volumes hides those first
+(:func:`without_monai_extras`).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -64,6 +67,21 @@ RESIZE_MODES = ("crop_or_pad", "resample")
 BAD_FILE_MODES = ("error", "skip")
 SEG_LABEL_MODES = ("auto", "raw", "medddpm")
 NIFTI_AXES_TO_MODEL = (0, 3, 2, 1)  # (C, i, j, k) -> (C, k, j, i); its own inverse
+# Optional packages that MONAI's import loads where they are installed (its network zoo, readers and GPU transforms)
+# and that these transforms never use. On a GPU image that has them they are most of ``import monai``'s time.
+MONAI_EXTRAS_UNUSED = ("transformers", "torchvision", "cupy", "cucim", "itk", "tensorboard", "pandas", "skimage")
+
+
+def without_monai_extras() -> None:
+    """Make :data:`MONAI_EXTRAS_UNUSED` unimportable in this process before it imports MONAI.
+
+    For a process that only reads and preprocesses volumes: the masks' worker of ``sample`` and the process that
+    builds training's dataset. A ``None`` in ``sys.modules`` makes an import raise ``ModuleNotFoundError``, which
+    MONAI's optional imports take for "not installed": MONAI then runs as it does without them (as in the tests),
+    and its import leaves theirs out. A package this process imported already stays as it is.
+    """
+    for name in MONAI_EXTRAS_UNUSED:
+        sys.modules.setdefault(name, None)
 
 
 # ----------------------------------------------------------------------------------------------------------
