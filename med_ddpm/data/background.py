@@ -1,10 +1,11 @@
 """Training's dataset, built in another process while this one prepares the model.
 
 Building the dataset is mostly Python: importing MONAI (seconds, without the optional packages it would load and
-never use: :func:`~med_ddpm.data.datasets.without_monai_extras`) and decoding every NIfTI file for the memory cache. Preparing the model is Python too:
-building the recipes and the network, loading the compile cache, applying the recipes. Two threads would take turns
-under one interpreter lock, so :class:`DatasetBuild` forks a process that builds the dataset while the command
-prepares the model, and :meth:`DatasetBuild.result` waits for it where the loop first needs data.
+never use: :func:`~med_ddpm.data.datasets.without_monai_extras`) and decoding every NIfTI file for the memory cache.
+Preparing the model is Python too: building the recipes and the network, loading the compile cache, applying the
+recipes. Two threads would take turns under one interpreter lock, so :class:`DatasetBuild` forks a process that
+builds the dataset while the command prepares the model, and :meth:`DatasetBuild.result` waits for it where the loop
+first needs data.
 
 With ``data.cache`` ``memory`` (or ``auto`` choosing it) the process reads each item once into tensors in shared
 memory, stacked per key (:class:`SharedItems`): they reach this process without a copy and without importing MONAI

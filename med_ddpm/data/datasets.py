@@ -75,10 +75,11 @@ MONAI_EXTRAS_UNUSED = ("transformers", "torchvision", "cupy", "cucim", "itk", "t
 def without_monai_extras() -> None:
     """Make :data:`MONAI_EXTRAS_UNUSED` unimportable in this process before it imports MONAI.
 
-    For a process that only reads and preprocesses volumes: the masks' worker of ``sample`` and the process that
-    builds training's dataset. A ``None`` in ``sys.modules`` makes an import raise ``ModuleNotFoundError``, which
-    MONAI's optional imports take for "not installed": MONAI then runs as it does without them (as in the tests),
-    and its import leaves theirs out. A package this process imported already stays as it is.
+    For a process that only reads, preprocesses or writes volumes: ``sample``'s masks' worker and writers, and the
+    process that builds training's dataset. A ``None`` in ``sys.modules`` makes an import raise
+    ``ModuleNotFoundError``, which MONAI's optional imports take for "not installed": MONAI then runs as it does
+    without them (as in the tests), and its import leaves theirs out. A package this process imported already stays
+    as it is.
     """
     for name in MONAI_EXTRAS_UNUSED:
         sys.modules.setdefault(name, None)
