@@ -201,7 +201,8 @@ class BackgroundWriter:
         start = time.perf_counter()
         try:
             path, seconds = self.pending.popleft().result()
-            self.written += [path] if path is not None else []
+            if path is not None:
+                self.written.append(path)
             self.busy_s += seconds
         finally:
             self.wait_s += time.perf_counter() - start

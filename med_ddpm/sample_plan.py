@@ -1,11 +1,10 @@
 """How ``med_ddpm.sample`` runs a job: eager or compiled, and whether to compile for the next job in a sidecar.
 
 The compiled stack runs each network call faster than the stack's eager form (its recipes that pay without a
-compiler, :meth:`optim.RecipeStack.eager`), but its first call pays: about a minute on a cold cache (inductor,
-Triton, the ``.aot`` file), several seconds on a warm one (the cache's and the file's load, cuDNN autotuning,
-CUDA-graph capture). A 4-mask job on a cold cache would save about 1.5 s a mask by compiling and spend a minute
-doing it. So with
-``compile=auto`` the command estimates both and picks the cheaper:
+compiler, :meth:`optim.RecipeStack.eager`), but its first call pays: about 45 s on a cold cache on the H100
+(inductor, Triton, the ``.aot`` file; :data:`DEFAULTS`), several seconds on a warm one (the cache's and the file's
+load, cuDNN autotuning, CUDA-graph capture). A 4-mask job on a cold cache would save about 1.5 s a mask by compiling
+and spend those 45 s doing it. So with ``compile=auto`` the command estimates both and picks the cheaper:
 
 * warm cache: compiled when ``load + calls x compiled`` beats ``eager first + calls x eager``;
 * cold cache: compiled in this process when ``compile + calls x compiled`` beats ``eager first + calls x eager``;
